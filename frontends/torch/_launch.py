@@ -1,0 +1,110 @@
+"""The torch frontend's one executor for ``liger_core`` plans, and the tensor checks every op shares."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+import liger_core
+from liger_core.launch import ArrayInfo, Buf, Plan, collapse_rows
+
+_DTYPE_NAMES = {
+    torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {dtype}") from None
+
+
+def info(t: torch.Tensor) -> ArrayInfo:
+    return ArrayInfo(tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype))
+
+
+def optional_info(t: torch.Tensor | None) -> ArrayInfo | None:
+    return None if t is None else info(t)
+
+
+def rowwise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its leading axes fold into rows by strides, else a contiguous copy."""
+    return t if collapse_rows(info(t)) is not None else t.contiguous()
+
+
+def check_tensors(**tensors: torch.Tensor | None) -> torch.device:
+    """Type and device checks for an op's tensor arguments (None allowed); returns the common device."""
+    device = None
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if liger_core.INTERPRET:
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} is on {t.device}, but the kernels run in Triton's interpreter on the "
+                                 "CPU here (LIGER_INTERPRET / no GPU found); pass CPU tensors")
+        elif t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {device}; put them on one device")
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if liger_core.INTERPRET or device.type != "cuda":
+        return liger_core.INTERPRETER_NUM_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Tests set this: fresh outputs are then filled with NaN (or -1 for integers) so an element the kernel never
+# writes cannot pass for a result.
+POISON_OUTPUTS = False
+
+
+def _allocate(buffers: dict, new, device) -> torch.Tensor:
+    if new.alias is not None:
+        target = buffers[new.alias]
+        if tuple(target.shape) != tuple(new.shape) or dtype_name(target.dtype) != new.dtype:
+            raise AssertionError(f"{new.name} cannot be written over {new.alias}: shape or dtype differ")
+        return target
+    dtype = _TORCH_DTYPES[new.dtype]
+    if new.zeroed:
+        return torch.zeros(new.shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        return torch.full(new.shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.empty(new.shape, dtype=dtype, device=device)
+
+
+def run_plan(plan: Plan, **inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Allocate each launch's outputs (or reuse the aliased input) and launch the kernels in order."""
+    missing = [name for name in plan.inputs if inputs.get(name) is None]
+    if missing:
+        raise AssertionError(f"plan needs inputs {missing}")
+    buffers = {name: inputs[name] for name in plan.inputs}
+    device = buffers[plan.inputs[0]].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for launch in plan.launches:
+            outputs = []
+            for new in launch.outputs:
+                buffers[new.name] = _allocate(buffers, new, device)
+                outputs.append(buffers[new.name])
+            args = [buffers[a.name] if isinstance(a, Buf) else a for a in launch.args]
+            launch.kernel[launch.grid](*args, *outputs, num_warps=launch.num_warps,
+                                       num_stages=launch.num_stages, **launch.constexprs)
+    return tuple(buffers[name] for name in plan.outputs)
+

@@ -1,0 +1,187 @@
+"""Framework-free descriptions of kernel launches.
+
+A kernel family builds a :class:`Plan` from :class:`ArrayInfo` descriptions of its inputs (shape, strides in
+elements, dtype name). A plan is an ordered list of :class:`Launch` es over named buffers: the plan's inputs, and
+the buffers each launch creates (:class:`NewBuffer`, fresh or written in place into an input). Each frontend has
+one generic executor for plans (``liger_torch._launch``, ``liger_jax._launch``); the kernel calling convention it
+follows, and that ``jax_triton.triton_call`` imposes, is::
+
+    kernel[grid](*launch.args, *launch.outputs, **launch.constexprs, num_warps=..., num_stages=...)
+
+where each arg is a buffer (:class:`Buf`) or a Python int/float scalar. Fresh outputs are always contiguous
+(row-major); an output that aliases an input keeps that input's strides, and the plan passes those strides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+ALL_FLOAT_DTYPES = FLOAT_DTYPES + ("float64",)
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+# Rank of each float dtype for type promotion (bf16 + fp16 promote to fp32, as in torch and jax).
+_FLOAT_RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What a plan needs to know about an array: shape, strides (in elements) and dtype name."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def contiguous(cls, shape, dtype: str) -> "ArrayInfo":
+        return cls(tuple(shape), contiguous_strides(shape), dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class Buf:
+    """A reference, in a launch's argument list, to a named buffer of the plan."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class NewBuffer:
+    """A buffer a launch writes: fresh (contiguous, optionally zero-filled) or the memory of input ``alias``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    alias: str | None = None
+    zeroed: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    outputs: tuple[NewBuffer, ...]
+    constexprs: Mapping[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def array_args(self) -> list[str]:
+        return [a.name for a in self.args if isinstance(a, Buf)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Launches over named buffers. ``inputs`` are supplied by the caller, ``outputs`` are returned in order."""
+
+    inputs: tuple[str, ...]
+    launches: tuple[Launch, ...]
+    outputs: tuple[str, ...]
+
+    def __post_init__(self):
+        known = set(self.inputs)
+        for launch in self.launches:
+            for arg in launch.args:
+                if isinstance(arg, Buf) and arg.name not in known:
+                    raise AssertionError(f"{launch.kernel}: reads buffer {arg.name!r} before it exists")
+                if not isinstance(arg, (Buf, int, float)):
+                    raise AssertionError(f"{launch.kernel}: argument {arg!r} is neither a buffer nor a scalar")
+            for out in launch.outputs:
+                if out.alias is not None and out.alias not in launch.array_args():
+                    # jax_triton aliases an output onto one of the same launch's array arguments.
+                    raise AssertionError(f"output {out.name!r} aliases {out.alias!r}, which the launch does not take")
+                known.add(out.name)
+        missing = [name for name in self.outputs if name not in known]
+        if missing:
+            raise AssertionError(f"plan outputs {missing} are never written")
+
+    def new_buffer(self, name: str) -> NewBuffer:
+        for launch in self.launches:
+            for out in launch.outputs:
+                if out.name == name:
+                    return out
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shapes, strides and dtypes
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(dim), 1)
+    return tuple(reversed(strides))
+
+
+def collapse_rows(info: ArrayInfo) -> tuple[int, int, int, int] | None:
+    """View an array as (rows, last-axis) by strides: ``(n_rows, n_cols, row_stride, col_stride)``.
+
+    Returns None when the leading axes cannot be folded into one strided axis without a copy.
+    """
+    if info.ndim == 0:
+        return None
+    n_cols, col_stride = info.shape[-1], info.strides[-1]
+    lead = [(d, s) for d, s in zip(info.shape[:-1], info.strides[:-1]) if d != 1]
+    n_rows = math.prod(d for d, _ in lead)
+    if not lead:
+        return n_rows, n_cols, n_cols * max(col_stride, 1), col_stride
+    for (d_outer, s_outer), (d_inner, s_inner) in zip(lead, lead[1:]):
+        if s_outer != s_inner * d_inner:
+            return None
+    return n_rows, n_cols, lead[-1][1], col_stride
+
+
+def promote(*dtypes: str) -> str:
+    """Float type promotion, as torch and jax do it."""
+    best = max(dtypes, key=lambda d: _FLOAT_RANK[d])
+    if len(set(dtypes)) > 1 and _FLOAT_RANK[best] == 1:
+        return "float32"  # bf16 with fp16
+    return best
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def warps_for(elements: int, max_warps: int = 16) -> int:
+    """num_warps for a row-wise kernel holding ``elements`` values per program (about 8-16 per thread)."""
+    warps = next_power_of_2(cdiv(elements, 32 * 16))
+    return max(1, min(max_warps, warps))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation shared by every kernel family: errors name the argument and come before any launch.
+
+
+def check_float(info: ArrayInfo, name: str, allowed=FLOAT_DTYPES) -> None:
+    if info.dtype not in allowed:
+        raise TypeError(f"{name} must have a floating dtype in {allowed}, got {info.dtype}")
+
+
+def check_nonempty(info: ArrayInfo, name: str) -> None:
+    if info.ndim == 0:
+        raise ValueError(f"{name} must have at least one dimension, got a scalar")
+    if info.numel == 0:
+        raise ValueError(f"{name} must not be empty, got shape {info.shape}")
+
+
+def check_same_shape(a: ArrayInfo, a_name: str, b: ArrayInfo, b_name: str) -> None:
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"{b_name} must have the shape of {a_name} {a.shape}, got {b.shape}")

@@ -1,0 +1,226 @@
+"""RMSNorm: y = x * rstd * (offset + w), rstd = 1 / sqrt(mean(x^2) + eps), over the last axis.
+
+Casting modes (what is computed in which precision):
+- ``llama``: HF ``LlamaRMSNorm``: normalise in fp32, cast to x's dtype, then multiply by ``offset + w``
+  (the output dtype is the promotion of x's and w's dtypes, as in HF).
+- ``gemma``: everything in fp32 (HF ``GemmaRMSNorm`` with offset=1.0; also ``flax.nnx.RMSNorm``), output in
+  x's dtype.
+- ``none``: mean of squares in fp32, the rest in x's dtype.
+
+Forward saves rstd (fp32, one per row). Backward: one pass per row block gives dx (optionally written over dy)
+and per-program fp32 partial sums of dw, reduced in a fixed order by :mod:`liger_core.reduce`.
+Without a weight, y = x * rstd and ``offset`` is unused.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import (
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, collapse_rows,
+    next_power_of_2, promote, warps_for,
+)
+from .reduce import sum_partials_launch
+
+CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
+_LLAMA, _GEMMA, _NONE = 0, 1, 2
+# Elements of x one program holds in registers; more rows per program when rows are short.
+_TILE_ELEMENTS = 4096
+# Backward programs per multiprocessor: enough loads in flight to saturate HBM, few partials to reduce.
+_BACKWARD_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    n_rows, n_cols, eps, offset,
+    Y, RSTD,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+    y_dtype = Y.dtype.element_ty
+    if CASTING == 1:  # gemma: all fp32
+        y = xf * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+            y = y * (offset + w)[None, :]
+    elif CASTING == 0:  # llama: normalise in fp32, round to x's dtype, scale in the output dtype
+        y = (xf * rstd[:, None]).to(x.dtype).to(y_dtype)
+        if HAS_WEIGHT:
+            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+            y = y * (offset + w).to(y_dtype)[None, :]
+    else:  # none: the statistic in fp32, the rest in x's dtype
+        y = x * rstd.to(x.dtype)[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+            y = y * (offset + w).to(x.dtype)[None, :]
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(y_dtype), mask=mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    DY, dy_row_stride, dy_col_stride,
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    RSTD,
+    dx_row_stride, dx_col_stride,
+    rows_per_group, n_cols, offset, rows_per_program,
+    DX, DW_PARTIAL,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):
+    program = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)
+    n_programs = tl.num_programs(0)
+    first_row = group * rows_per_group
+    row_begin = program * rows_per_program
+    row_end = tl.minimum(row_begin + rows_per_program, rows_per_group)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
+        dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, rows_per_program, BLOCK_M):
+        local = row_begin + start + tl.arange(0, BLOCK_M)
+        rows = first_row + local.to(tl.int64)
+        mask = (local < row_end)[:, None] & col_mask[None, :]
+        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=local < row_end, other=0.0)
+        dy = dy.to(tl.float32)
+        normed = x.to(tl.float32) * rstd[:, None]
+        if HAS_WEIGHT:
+            if CASTING == 0:  # llama multiplies w by the normalised x already rounded to x's dtype
+                dw_acc += dy * normed.to(x.dtype).to(tl.float32)
+            else:
+                dw_acc += dy * normed
+            dnormed = dy * w[None, :]
+        else:
+            dnormed = dy
+        mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
+        dx = (dnormed - normed * mean_dot[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :] * dx_col_stride,
+                 dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        slot = group * n_programs + program
+        tl.store(DW_PARTIAL + slot * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch logic
+
+
+def _check_inputs(x: ArrayInfo, weight: ArrayInfo | None, casting_mode: str, weight_name: str = "weight") -> None:
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {tuple(CASTING_MODES)}, got {casting_mode!r}")
+    check_nonempty(x, "x")
+    check_float(x, "x")
+    if weight is not None:
+        check_float(weight, weight_name)
+        if weight.shape != (x.shape[-1],):
+            raise ValueError(f"{weight_name} must have shape ({x.shape[-1]},) to match x's last dimension, "
+                             f"got {weight.shape}")
+
+
+def output_dtype(x_dtype: str, weight_dtype: str | None, casting_mode: str) -> str:
+    if casting_mode == "llama" and weight_dtype is not None:
+        return promote(x_dtype, weight_dtype)
+    return x_dtype
+
+
+def _rows(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
+    view = collapse_rows(info)
+    if view is None:
+        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
+                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
+    return view
+
+
+def _tile(n_cols: int, n_rows: int) -> tuple[int, int]:
+    block_n = next_power_of_2(n_cols)
+    block_m = max(1, min(16, _TILE_ELEMENTS // block_n, next_power_of_2(n_rows)))
+    return block_m, block_n
+
+
+def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: float = 0.0,
+                 casting_mode: str = "llama", weight_name: str = "weight") -> Plan:
+    """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
+
+    ``weight_name`` is the weight's name in the caller's API, for error messages."""
+    _check_inputs(x, weight, casting_mode, weight_name)
+    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
+    block_m, block_n = _tile(n_cols, n_rows)
+    has_weight = weight is not None
+    y_dtype = output_dtype(x.dtype, weight.dtype if has_weight else None, casting_mode)
+    launch = Launch(
+        kernel=_rms_norm_forward_kernel,
+        grid=(cdiv(n_rows, block_m),),
+        args=(Buf("x"), x_row_stride, x_col_stride,
+              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
+              n_rows, n_cols, float(eps), float(offset)),
+        outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32")),
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
+                    "HAS_WEIGHT": has_weight},
+        num_warps=warps_for(block_m * block_n),
+    )
+    inputs = ("x", "weight") if has_weight else ("x",)
+    return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
+
+
+def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offset: float = 0.0,
+                  casting_mode: str = "llama", num_sms: int, in_place: bool = True, groups: int = 1) -> Plan:
+    """Plan for ``dx, dw = rms_norm_backward(dy, x, weight, rstd)``.
+
+    Inputs ``dy``, ``x``, ``rstd`` (and ``weight``); outputs ``dx`` (and ``dw`` with a weight). With
+    ``in_place`` and dy of x's dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal
+    blocks (a folded vmap batch) and dw has shape (groups, n_cols): one weight gradient per block.
+    """
+    _check_inputs(x, weight, casting_mode)
+    if tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"grad_output must have the shape of x {x.shape}, got {dy.shape}")
+    check_float(dy, "grad_output")
+    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
+    _, _, dy_row_stride, dy_col_stride = _rows(dy, "grad_output")
+    if n_rows % groups:
+        raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
+    rows_per_group = n_rows // groups
+    block_m, block_n = _tile(n_cols, rows_per_group)
+    n_programs = max(1, min(num_sms * _BACKWARD_PROGRAMS_PER_SM, cdiv(rows_per_group, block_m)))
+    rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
+    n_programs = cdiv(rows_per_group, rows_per_program)
+
+    if in_place and dy.dtype == x.dtype:
+        dx = NewBuffer("dx", dy.shape, x.dtype, alias="dy")
+        dx_row_stride, dx_col_stride = dy_row_stride, dy_col_stride
+    else:
+        dx = NewBuffer("dx", x.shape, x.dtype)
+        dx_row_stride, dx_col_stride = n_cols, 1
+    has_weight = weight is not None
+    partial_shape = (groups, n_programs, n_cols) if has_weight else (1,)
+    main = Launch(
+        kernel=_rms_norm_backward_kernel,
+        grid=(n_programs, groups),
+        args=(Buf("dy"), dy_row_stride, dy_col_stride, Buf("x"), x_row_stride, x_col_stride,
+              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
+              Buf("rstd"), dx_row_stride, dx_col_stride,
+              rows_per_group, n_cols, float(offset), rows_per_program),
+        outputs=(dx, NewBuffer("dw_partial", partial_shape, "float32")),
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
+                    "HAS_WEIGHT": has_weight},
+        num_warps=warps_for(block_m * block_n),
+    )
+    inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")
+    if not has_weight:
+        return Plan(inputs=inputs, launches=(main,), outputs=("dx",))
+    reduce = sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype)
+    return Plan(inputs=inputs, launches=(main, reduce), outputs=("dx", "dw"))
