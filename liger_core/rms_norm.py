@@ -32,6 +32,12 @@ _BACKWARD_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
+def _round(value, dtype):
+    """Round fp32 ``value`` to ``dtype`` and back: the result a ``dtype`` operation would give."""
+    return value.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
@@ -49,22 +55,23 @@ def _rms_norm_forward_kernel(
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
+    # Arithmetic stays in fp32, rounded where HF rounds: a product of two bf16/fp16 values is exact in fp32, so
+    # rounding it once gives the half-precision product (and the interpreter cannot do bf16 arithmetic).
     y_dtype = Y.dtype.element_ty
+    if HAS_WEIGHT:
+        scale = offset + tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
     if CASTING == 1:  # gemma: all fp32
         y = xf * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * (offset + w)[None, :]
+            y = y * scale[None, :]
     elif CASTING == 0:  # llama: normalise in fp32, round to x's dtype, scale in the output dtype
-        y = (xf * rstd[:, None]).to(x.dtype).to(y_dtype)
+        y = _round((xf * rstd[:, None]), x.dtype)
         if HAS_WEIGHT:
-            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * (offset + w).to(y_dtype)[None, :]
+            y = y * _round(scale, y_dtype)[None, :]
     else:  # none: the statistic in fp32, the rest in x's dtype
-        y = x * rstd.to(x.dtype)[:, None]
+        y = _round(xf * _round(rstd, x.dtype)[:, None], x.dtype)
         if HAS_WEIGHT:
-            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * (offset + w).to(x.dtype)[None, :]
+            y = y * _round(scale, x.dtype)[None, :]
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(y_dtype), mask=mask)
 
 
@@ -101,7 +108,7 @@ def _rms_norm_backward_kernel(
         normed = x.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
             if CASTING == 0:  # llama multiplies w by the normalised x already rounded to x's dtype
-                dw_acc += dy * normed.to(x.dtype).to(tl.float32)
+                dw_acc += dy * _round(normed, x.dtype)
             else:
                 dw_acc += dy * normed
             dnormed = dy * w[None, :]
@@ -199,7 +206,9 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
     n_programs = cdiv(rows_per_group, rows_per_program)
 
-    if in_place and dy.dtype == x.dtype:
+    # Writing dx over dy is safe only when dy's rows do not overlap (an expanded, stride-0 gradient does).
+    dy_dense = dy_col_stride == 1 and (n_rows == 1 or dy_row_stride >= n_cols)
+    if in_place and dy.dtype == x.dtype and dy_dense:
         dx = NewBuffer("dx", dy.shape, x.dtype, alias="dy")
         dx_row_stride, dx_col_stride = dy_row_stride, dy_col_stride
     else:

@@ -1,0 +1,42 @@
+"""Shared fixtures: the device the kernels run on, fresh seeds, and poisoned outputs."""
+
+import os
+import random
+
+import pytest
+
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU: keep jax from probing for one
+
+import liger_core  # noqa: E402  (decides interpreter mode before anything defines kernels)
+import liger_torch._launch  # noqa: E402
+
+ON_GPU = not liger_core.INTERPRET
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs in scripts/gpu_check.sh on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture
+def seed(request):
+    """A fresh seed per test, printed on failure so a failing draw can be replayed (LIGER_TEST_SEED=...)."""
+    value = int(os.environ.get("LIGER_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    request.node.user_properties.append(("seed", value))
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(liger_torch._launch, "POISON_OUTPUTS", True)

@@ -1,0 +1,184 @@
+"""liger_torch.rms_norm / RMSNorm against a float64 reference of the HF formulas, forward and backward."""
+
+import pytest
+import torch
+
+import liger_torch
+from helpers import assert_close
+
+SHAPES = [(1, 64), (7, 123), (3, 5, 96), (2, 1000)]
+MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("llama", 0.5)]
+
+
+def reference(x, w, eps, offset, mode):
+    """HF's formulas, every step in float64 but rounded to the dtypes HF rounds to."""
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if w is None:
+        return normed.to(x.dtype).double() if mode != "gemma" else normed
+    scale = offset + w.double()
+    if mode == "llama":
+        out_dtype = torch.promote_types(x.dtype, w.dtype)
+        return normed.to(x.dtype).to(out_dtype).double() * scale.to(out_dtype).double()
+    if mode == "gemma":
+        return normed * scale
+    return normed * scale
+
+
+def grads_of(fn, x, w, g):
+    x = x.detach().clone().requires_grad_(True)
+    w = None if w is None else w.detach().clone().requires_grad_(True)
+    y = fn(x, w)
+    y.backward(g)
+    return y, x.grad, (None if w is None else w.grad)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode,offset", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_backward(shape, mode, offset, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(device, dtype) * 3
+    w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(device, dtype)
+    g = torch.randn(shape, generator=gen).to(device, dtype)
+    eps = 1e-6
+    y, dx, dw = grads_of(lambda a, b: liger_torch.rms_norm(a, b, eps, offset, mode), x, w, g.clone())
+    y_ref, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, eps, offset, mode), x, w, g.double())
+    assert y.dtype == (torch.promote_types(dtype, w.dtype) if mode == "llama" else dtype)
+    assert_close(y, y_ref, dtype, "y")
+    assert_close(dx, dx_ref, dtype, "dx")
+    # dw sums one rounded term per row: allow the bound to grow with sqrt(rows).
+    rows = x.numel() // shape[-1]
+    assert_close(dw, dw_ref, dtype, "dw", scale=max(1.0, rows ** 0.5))
+
+
+@pytest.mark.parametrize("mode", ["llama", "gemma"])
+def test_without_weight(mode, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 123, generator=gen).to(device)
+    g = torch.randn(7, 123, generator=gen).to(device)
+    y, dx, _ = grads_of(lambda a, b: liger_torch.rms_norm(a, None, 1e-5, 0.0, mode), x, None, g.clone())
+    y_ref, dx_ref, _ = grads_of(lambda a, b: reference(a, None, 1e-5, 0.0, mode), x, None, g.double())
+    assert_close(y, y_ref, torch.float32, "y")
+    assert_close(dx, dx_ref, torch.float32, "dx")
+
+
+def test_mixed_dtypes_follow_hf_promotion(device, seed):
+    """bf16 activations with an fp32 weight: HF LlamaRMSNorm returns fp32 (weight * hidden.to(bf16))."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 123, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(123, generator=gen).to(device)
+    g = torch.randn(7, 123, generator=gen).to(device)
+    y, dx, dw = grads_of(lambda a, b: liger_torch.rms_norm(a, b), x, w, g.clone())
+    y_ref, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x, w, g.double())
+    assert y.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert_close(y, y_ref, torch.bfloat16, "y")
+    assert_close(dx, dx_ref, torch.bfloat16, "dx")
+    assert_close(dw, dw_ref, torch.bfloat16, "dw", scale=3.0)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed_leading", "strided_columns"])
+def test_non_contiguous_input(layout, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "row_slice":  # rows of a wider buffer: handled by strides, no copy
+        x = torch.randn(7, 200, generator=gen).to(device)[:, 11:134]
+    elif layout == "transposed_leading":  # leading axes that do not fold: copied
+        x = torch.randn(5, 3, 123, generator=gen).to(device).transpose(0, 1)
+    else:  # every other column
+        x = torch.randn(7, 246, generator=gen).to(device)[:, ::2]
+    assert not x.is_contiguous()
+    w = torch.randn(123, generator=gen).to(device)
+    g = torch.randn(x.shape, generator=gen).to(device)
+    y, dx, dw = grads_of(lambda a, b: liger_torch.rms_norm(a, b), x, w, g.clone())
+    y_ref, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x, w, g.double())
+    assert_close(y, y_ref, torch.float32, "y")
+    assert_close(dx, dx_ref, torch.float32, "dx")
+    assert_close(dw, dw_ref, torch.float32, "dw", scale=3.0)
+
+
+def test_in_place_backward_writes_over_grad_and_is_optional(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 123, generator=gen).to(device).requires_grad_(True)
+    w = torch.randn(123, generator=gen).to(device).requires_grad_(True)
+    g = torch.randn(7, 123, generator=gen).to(device)
+    for in_place in (True, False):
+        x.grad = None
+        g_in = g.clone()
+        liger_torch.rms_norm(x, w, in_place=in_place).backward(g_in)
+        assert torch.equal(g_in, x.grad) == in_place  # in place: dx lives in dy's buffer
+        assert torch.equal(g_in, g) != in_place
+
+
+def test_expanded_grad_is_not_written_in_place(device, seed):
+    """y.sum().backward() hands in a stride-0 gradient; writing dx over it would race."""
+    x = torch.randn(7, 123, generator=torch.Generator().manual_seed(seed)).to(device).requires_grad_(True)
+    liger_torch.rms_norm(x, None).sum().backward()
+    ref = x.detach().double().requires_grad_(True)
+    reference(ref, None, 1e-6, 0.0, "llama").sum().backward()
+    assert_close(x.grad, ref.grad, torch.float32, "dx")
+
+
+def test_bitwise_deterministic(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 257, generator=gen).to(device)
+    w = torch.randn(257, generator=gen).to(device)
+    g = torch.randn(64, 257, generator=gen).to(device)
+    runs = [grads_of(lambda a, b: liger_torch.rms_norm(a, b), x, w, g.clone()) for _ in range(2)]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_module_is_drop_in_for_llama_rms_norm(device, seed):
+    norm = liger_torch.RMSNorm(123, eps=1e-5).to(device)
+    assert set(norm.state_dict()) == {"weight"} and norm.variance_epsilon == 1e-5
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 7, 123, generator=torch.Generator().manual_seed(seed)).to(device)
+    assert_close(norm(x), reference(x, norm.weight, 1e-5, 0.0, "llama"), torch.float32, "y")
+    gemma = liger_torch.RMSNorm(123, offset=1.0, casting_mode="gemma", init_fn="zeros")
+    assert torch.equal(gemma.weight, torch.zeros(123))
+
+
+def test_module_matches_transformers_llama_rms_norm(device, seed):
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    hf = modeling.LlamaRMSNorm(96, eps=1e-6).to(device, torch.bfloat16)
+    ours = liger_torch.RMSNorm(96, eps=1e-6).to(device, torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.normal_()
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
+    assert_close(ours(x), hf(x), torch.bfloat16, "y")
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(7, device=d)), ValueError, "weight must have shape"),
+    (lambda d: (torch.ones(4, 8, dtype=torch.int32, device=d), None), TypeError, "x must have a floating"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.ones(8, dtype=torch.int64, device=d)), TypeError, "weight"),
+    (lambda d: (torch.randn(0, 8, device=d), None), ValueError, "x must not be empty"),
+    (lambda d: (torch.tensor(3.0, device=d), None), ValueError, "x must have at least one dimension"),
+    (lambda d: ([1.0, 2.0], None), TypeError, "x must be a torch.Tensor"),
+])
+def test_bad_input_raises_before_launch(bad, error, match, device):
+    x, w = bad(device)
+    with pytest.raises(error, match=match):
+        liger_torch.rms_norm(x, w)
+
+
+def test_bad_casting_mode(device):
+    with pytest.raises(ValueError, match="casting_mode"):
+        liger_torch.rms_norm(torch.randn(2, 8, device=device), None, casting_mode="fp8")
+
+
+@pytest.mark.gpu
+def test_wrong_device_names_argument():
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        liger_torch.rms_norm(torch.randn(4, 8, device="cuda"), torch.randn(8))
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        liger_torch.rms_norm(torch.randn(4, 8), None)
+
+
+def test_cuda_tensor_in_interpreter_mode_is_refused():
+    if liger_torch.INTERPRET is False or not torch.cuda.is_available():
+        pytest.skip("needs interpreter mode with a visible CUDA device")
+    with pytest.raises(ValueError, match="interpreter"):
+        liger_torch.rms_norm(torch.randn(4, 8, device="cuda"), None)
