@@ -7,6 +7,8 @@ import pytest
 
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU: keep jax from probing for one
+# Several test workers share one GPU with torch: jax must not take 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import liger_core  # noqa: E402  (decides interpreter mode before anything defines kernels)
 import liger_torch._launch  # noqa: E402

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks run [--kernels rms_norm ...] [--quick]`` (needs a CUDA GPU)."""

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the carried wheels (.whl/, from ../shared/device-wheels.sh) and this
+# repo, run the whole test suite on the GPU, then the benchmarks, and print a short table.
+#   scripts/gpu_check.sh [all|tests|bench] [extra args for `python -m benchmarks run`]
+# Logs and results land in $OUT (the device tool brings them back) and benchmarks/results/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/liger-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+  || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())"
+status=0
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  python3 -m pytest -q -n 4 -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  python3 -m benchmarks run "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" | tail -80
+  cp benchmarks/results/*.json benchmarks/results/*.md "$OUT"/ 2>/dev/null
+fi
+exit $status
