@@ -9,7 +9,7 @@ from . import runtime
 
 INTERPRET = runtime.configure()
 
-from . import launch, reduce, rms_norm  # noqa: E402  (after the interpreter decision)
+from . import cross_entropy, fused_add_rms_norm, fused_linear_cross_entropy, launch, layer_norm, reduce, rms_norm, rope, swiglu  # noqa: E402  (after the interpreter decision)
 from .launch import ArrayInfo, Buf, Launch, NewBuffer, Plan  # noqa: E402
 
 # Programs per "multiprocessor" when kernels run in the interpreter: fixed, so that the torch and the jax
@@ -17,5 +17,5 @@ from .launch import ArrayInfo, Buf, Launch, NewBuffer, Plan  # noqa: E402
 INTERPRETER_NUM_SMS = 4
 
 __all__ = ["INTERPRET", "INTERPRETER_NUM_SMS", "ArrayInfo", "Buf", "Launch", "NewBuffer", "Plan",
-           "launch", "reduce", "rms_norm", "runtime"]
+           "launch", "reduce", "rms_norm", "runtime", "layer_norm", "fused_add_rms_norm"]
 __version__ = "0.1.0"

@@ -14,6 +14,8 @@ Without a weight, y = x * rstd and ``offset`` is unused.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -25,10 +27,12 @@ from .reduce import sum_partials_launch
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 _LLAMA, _GEMMA, _NONE = 0, 1, 2
-# Elements of x one program holds in registers; more rows per program when rows are short.
-_TILE_ELEMENTS = 4096
-# Backward programs per multiprocessor: enough loads in flight to saturate HBM, few partials to reduce.
-_BACKWARD_PROGRAMS_PER_SM = 2
+# Launch configuration, from the H200 sweep in docs/perf-notes.md (scripts/tune_rms_norm.py):
+# forward: ~4k elements of x per program, 4-8 warps; backward: one persistent program per SM holding ~16k
+# elements per tile with 16 warps (larger tiles spill), the next tile prefetched.
+_FORWARD_TILE = 4096
+_BACKWARD_TILE = 16384
+_BACKWARD_PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -76,6 +80,18 @@ def _rms_norm_forward_kernel(
 
 
 @triton.jit
+def _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
+                        first_row, local, row_end, cols, col_mask):
+    rows = first_row + local.to(tl.int64)
+    row_mask = local < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return dy, x, rstd
+
+
+@triton.jit
 def _rms_norm_backward_kernel(
     DY, dy_row_stride, dy_col_stride,
     X, x_row_stride, x_col_stride,
@@ -85,7 +101,10 @@ def _rms_norm_backward_kernel(
     rows_per_group, n_cols, offset, rows_per_program,
     DX, DW_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
+    """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
+    PREFETCH the next tile's loads are issued before the current tile is computed, hiding HBM latency."""
     program = tl.program_id(0)
     group = tl.program_id(1).to(tl.int64)
     n_programs = tl.num_programs(0)
@@ -97,13 +116,22 @@ def _rms_norm_backward_kernel(
     if HAS_WEIGHT:
         w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        next_dy, next_x, next_rstd = _load_backward_rows(
+            DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
+            first_row, row_begin + tl.arange(0, BLOCK_M), row_end, cols, col_mask)
     for start in range(0, rows_per_program, BLOCK_M):
         local = row_begin + start + tl.arange(0, BLOCK_M)
+        if PREFETCH:
+            dy, x, rstd = next_dy, next_x, next_rstd
+            next_dy, next_x, next_rstd = _load_backward_rows(
+                DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
+                first_row, local + BLOCK_M, row_end, cols, col_mask)
+        else:
+            dy, x, rstd = _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
+                                              RSTD, first_row, local, row_end, cols, col_mask)
         rows = first_row + local.to(tl.int64)
         mask = (local < row_end)[:, None] & col_mask[None, :]
-        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
-        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=local < row_end, other=0.0)
         dy = dy.to(tl.float32)
         normed = x.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
@@ -153,20 +181,23 @@ def _rows(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
     return view
 
 
-def _tile(n_cols: int, n_rows: int) -> tuple[int, int]:
+def _tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
     block_n = next_power_of_2(n_cols)
-    block_m = max(1, min(16, _TILE_ELEMENTS // block_n, next_power_of_2(n_rows)))
+    block_m = max(1, min(16, elements // block_n, next_power_of_2(n_rows)))
     return block_m, block_n
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: float = 0.0,
-                 casting_mode: str = "llama", weight_name: str = "weight") -> Plan:
+                 casting_mode: str = "llama", weight_name: str = "weight", block_m: int | None = None,
+                 num_warps: int | None = None) -> Plan:
     """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
 
     ``weight_name`` is the weight's name in the caller's API, for error messages."""
     _check_inputs(x, weight, casting_mode, weight_name)
     n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
-    block_m, block_n = _tile(n_cols, n_rows)
+    block_m_default, block_n = _tile(n_cols, n_rows, _FORWARD_TILE)
+    block_m = block_m or block_m_default
     has_weight = weight is not None
     y_dtype = output_dtype(x.dtype, weight.dtype if has_weight else None, casting_mode)
     launch = Launch(
@@ -178,19 +209,23 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
         outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight},
-        num_warps=warps_for(block_m * block_n),
+        num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
     )
     inputs = ("x", "weight") if has_weight else ("x",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 
 
+@functools.lru_cache(maxsize=1024)
 def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offset: float = 0.0,
-                  casting_mode: str = "llama", num_sms: int, in_place: bool = True, groups: int = 1) -> Plan:
+                  casting_mode: str = "llama", num_sms: int, in_place: bool = True, groups: int = 1,
+                  programs_per_sm: int | None = None, block_m: int | None = None,
+                  num_warps: int | None = None, prefetch: bool = True) -> Plan:
     """Plan for ``dx, dw = rms_norm_backward(dy, x, weight, rstd)``.
 
     Inputs ``dy``, ``x``, ``rstd`` (and ``weight``); outputs ``dx`` (and ``dw`` with a weight). With
     ``in_place`` and dy of x's dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal
     blocks (a folded vmap batch) and dw has shape (groups, n_cols): one weight gradient per block.
+    ``programs_per_sm``, ``block_m`` and ``num_warps`` override the tuned launch configuration (for tuning).
     """
     _check_inputs(x, weight, casting_mode)
     if tuple(dy.shape) != tuple(x.shape):
@@ -201,8 +236,10 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     if n_rows % groups:
         raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
     rows_per_group = n_rows // groups
-    block_m, block_n = _tile(n_cols, rows_per_group)
-    n_programs = max(1, min(num_sms * _BACKWARD_PROGRAMS_PER_SM, cdiv(rows_per_group, block_m)))
+    block_m_default, block_n = _tile(n_cols, rows_per_group, _BACKWARD_TILE)
+    block_m = block_m or block_m_default
+    per_sm = programs_per_sm or _BACKWARD_PROGRAMS_PER_SM
+    n_programs = max(1, min(num_sms * per_sm, cdiv(rows_per_group, block_m)))
     rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
     n_programs = cdiv(rows_per_group, rows_per_program)
 
@@ -225,8 +262,8 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
               rows_per_group, n_cols, float(offset), rows_per_program),
         outputs=(dx, NewBuffer("dw_partial", partial_shape, "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
-                    "HAS_WEIGHT": has_weight},
-        num_warps=warps_for(block_m * block_n),
+                    "HAS_WEIGHT": has_weight, "PREFETCH": prefetch},
+        num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")
     if not has_weight:

@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())"
 status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -q -n 4 -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -40
+  python3 -m pytest -q -n 4 -p no:cacheprovider ${LIGER_TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -171,7 +171,7 @@ def test_bad_casting_mode(device):
 
 @pytest.mark.gpu
 def test_wrong_device_names_argument():
-    with pytest.raises(ValueError, match="weight is on cpu"):
+    with pytest.raises(ValueError, match="weight must be on a CUDA device, got cpu"):
         liger_torch.rms_norm(torch.randn(4, 8, device="cuda"), torch.randn(8))
     with pytest.raises(ValueError, match="x must be on a CUDA device"):
         liger_torch.rms_norm(torch.randn(4, 8), None)

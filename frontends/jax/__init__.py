@@ -7,6 +7,12 @@ interpreter behind ``jax.pure_callback`` (needs torch, CPU build).
 import liger_core
 
 from .rms_norm import rms_norm
+from .cross_entropy import cross_entropy
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .layer_norm import layer_norm
+from .fused_add_rms_norm import fused_add_rms_norm
+from .rope import rope
+from .swiglu import geglu, swiglu
 
 INTERPRET = liger_core.INTERPRET
 
@@ -19,5 +25,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["INTERPRET", "rms_norm", "nnx"]
+__all__ = ["INTERPRET", "rms_norm", "nnx", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "fused_add_rms_norm", "rope", "swiglu", "geglu"]
 __version__ = liger_core.__version__

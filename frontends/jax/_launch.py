@@ -90,7 +90,7 @@ def _run_triton_call(plan: Plan, inputs) -> tuple[jax.Array, ...]:
         args = [buffers[a.name] if isinstance(a, Buf) else a for a in launch.args]
         out_shape = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
         aliases = {array_names.index(o.alias): j for j, o in enumerate(launch.outputs) if o.alias is not None}
-        zeroed = [j for j, o in enumerate(launch.outputs) if o.zeroed]
+        zeroed = tuple(j for j, o in enumerate(launch.outputs) if o.zeroed)  # jax needs hashable params
         outs = jt.triton_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
                               num_warps=launch.num_warps, num_stages=launch.num_stages,
                               input_output_aliases=aliases, zeroed_outputs=zeroed, **launch.constexprs)

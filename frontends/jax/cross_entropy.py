@@ -1,0 +1,116 @@
+"""Cross-entropy for jax: ``custom_vjp`` wiring around :mod:`liger_core.cross_entropy`.
+
+The forward rule computes the loss and d loss / d logits in one kernel (the gradient aliases the logits'
+buffer, so XLA may reuse it when the logits are dead); the backward rule scales it by the cotangent. Called
+without differentiation (the primal), no gradient is computed. Under ``jax.vmap`` each example is one launch
+(``lax.map``): the mean's denominators are per example.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from liger_core import cross_entropy as core
+
+from ._launch import as_array, info, map_over_batch, run_plan
+
+
+def _mapped_over_batch(fn, n_outputs: int):
+    op = jax.custom_batching.custom_vmap(fn)
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        return map_over_batch(op, axis_size, in_batched, args), (True,) * n_outputs
+
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_op(options: tuple, has_weight: bool, compute_grad: bool):
+    ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss = options
+
+    def forward(logits, labels, *weight):
+        plan = core.forward_plan(
+            info(logits), info(labels), info(weight[0]) if has_weight else None, ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+            softcap=softcap, return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=True)
+        return run_plan(plan, logits=logits, target=labels, weight=weight[0] if has_weight else None)
+
+    return _mapped_over_batch(forward, 1 + int(return_z_loss) + int(compute_grad))
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_op(reduction: str):
+    def backward(grad, g):
+        plan = core.backward_plan(info(grad), info(g), reduction=reduction, in_place=True)
+        return run_plan(plan, grad=grad, grad_output=g)
+
+    return _mapped_over_batch(backward, 1)
+
+
+def _weight_args(weight):
+    return () if weight is None else (weight,)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy(logits, labels, weight, options):
+    outs = _forward_op(options, weight is not None, False)(logits, labels, *_weight_args(weight))
+    return tuple(outs) if options[-1] else outs[0]
+
+
+def _cross_entropy_fwd(logits, labels, weight, options):
+    outs = _forward_op(options, weight is not None, True)(logits, labels, *_weight_args(weight))
+    primal = tuple(outs[:2]) if options[-1] else outs[0]
+    return primal, outs[-1]
+
+
+def _cross_entropy_bwd(options, grad, cotangent):
+    g = cotangent[0] if options[-1] else cotangent  # the z_loss output is for logging: its cotangent is dropped
+    (dlogits,) = _backward_op(options[1])(grad, g.astype(grad.dtype))
+    return dlogits, None, None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def check_labels(labels, n_classes: int, ignore_index: int, name: str = "labels") -> None:
+    """Raise ValueError for a label outside [0, n_classes) that is not ignore_index, when the labels are
+    concrete. Under ``jit`` (traced labels) nothing can be checked eagerly: such a row's loss (and so a mean or
+    sum) and its gradient come out NaN instead."""
+    if isinstance(labels, jax.core.Tracer):
+        return
+    values = np.asarray(labels)
+    valid = (values == ignore_index) | ((values >= 0) & (values < n_classes))
+    if not valid.all():
+        raise ValueError(core.invalid_targets_message(n_classes, ignore_index, name))
+
+
+def cross_entropy(logits, labels, *, weight=None, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                  return_z_loss: bool = False):
+    """Cross-entropy of ``logits`` (..., V) against integer ``labels`` (...), with torch's options.
+
+    ``reduction="none"`` gives ``optax.softmax_cross_entropy_with_integer_labels(logits, labels)`` (for
+    labels in range); ``mean`` averages over non-ignored labels (weighted by ``weight[labels]`` with a class
+    ``weight``), 0 when all are ignored. ``lse_square_scale`` adds the z-loss
+    ``lse_square_scale * logsumexp**2`` per non-ignored row; with ``return_z_loss`` the result is
+    ``(loss, z_loss)``, ``z_loss`` being that part of ``loss`` (its cotangent is ignored). ``softcap`` maps the
+    logits to ``softcap * tanh(logits / softcap)`` first (Gemma 2). The loss has the logits' dtype; ``weight``
+    gets no gradient. Labels are checked when concrete (ValueError); under ``jit`` a bad label makes the loss
+    NaN. Works under ``jit``, ``grad``, ``vmap`` and ``checkpoint``.
+    """
+    logits = as_array("logits", logits)
+    labels = as_array("labels", labels)
+    weight = None if weight is None else as_array("weight", weight)
+    # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
+    core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                       lse_square_scale=lse_square_scale, softcap=softcap)
+    core.check_inputs(info(logits), info(labels), None if weight is None else info(weight),
+                      target_name="labels")
+    check_labels(labels, logits.shape[-1], ignore_index)
+    options = (int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
+               None if softcap is None else float(softcap), bool(return_z_loss))
+    return _cross_entropy(logits, labels, weight, options)

@@ -1,0 +1,192 @@
+"""Fused linear cross-entropy for jax: a ``lax.scan`` over token chunks of XLA matmuls around the
+cross-entropy kernel of :mod:`liger_core.cross_entropy` (``custom_vjp``).
+
+For ``mean``/``sum`` the forward rule computes the gradients chunk by chunk (the weight gradient accumulated
+in the scan carry, fp32 by default for half-precision kernels) and the backward scales them; for ``none`` the
+backward runs the scan again with the per-row cotangent folded into the kernel. The token axis is padded to
+a whole number of chunks with ignored rows (their loss and gradient are 0, and they are dropped).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from liger_core import cross_entropy as ce_core
+from liger_core import fused_linear_cross_entropy as core
+
+from ._launch import as_array, dtype_name, info, optional_info, run_plan
+from .cross_entropy import check_labels
+
+
+def _logits(xc, kernel, bias, layout, dtype):
+    # (C, H) x kernel -> (C, V): contract H with the kernel's H axis, whichever layout it is stored in.
+    dims = (((1,), (0 if layout == "hv" else 1,)), ((), ()))
+    logits = jax.lax.dot_general(xc, kernel, dims)
+    if bias is not None:
+        logits = logits + bias
+    return logits.astype(dtype)
+
+
+def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_scale=None):
+    """Per-row fp32 losses (and z parts), and with ``compute_grad`` the gradients of x, kernel, bias (fp32
+    accumulators for kernel and bias) for an incoming gradient of 1, or of ``grad_scale`` per row."""
+    opts, layout, chunk_size, accum_fp32 = static[:4]
+    n, hidden = x.shape
+    vocab = kernel.shape[1 if layout == "hv" else 0]
+    dtype = dtype_name(x.dtype)
+    rows = core.chunk_rows(n, vocab, dtype, chunk_size)
+    n_chunks = -(-n // rows)
+    pad = n_chunks * rows - n
+    denom = None
+    if opts["reduction"] == "mean":
+        plan = core.denominators_plan(n, dtype_name(labels.dtype), optional_info(ce_weight), vocab,
+                                      opts["ignore_index"])
+        (denom,) = run_plan(plan, target=labels, weight=ce_weight)
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n_chunks, rows, hidden)
+    ls = jnp.pad(labels, (0, pad), constant_values=opts["ignore_index"]).reshape(n_chunks, rows)
+    gs = None if grad_scale is None else jnp.pad(grad_scale, (0, pad)).reshape(n_chunks, rows)
+    plan = core.chunk_plan(rows, vocab, dtype, dtype_name(labels.dtype), optional_info(ce_weight),
+                           compute_grad=compute_grad,
+                           grad_scale_dtype=None if grad_scale is None else dtype_name(grad_scale.dtype), **opts)
+    acc_dtype = jnp.float32 if accum_fp32 else kernel.dtype
+
+    def body(carry, chunk):
+        xc, lc, gc = chunk
+        logits = _logits(xc, kernel, bias, layout, x.dtype)
+        outs = run_plan(plan, logits=logits, target=lc, weight=ce_weight, denom=denom, grad_scale=gc)
+        z = outs[1] if opts["return_z_loss"] else jnp.zeros((0,), jnp.float32)
+        if not compute_grad:
+            return carry, (outs[0], z)
+        dlogits = outs[-1]
+        gw, gb = carry
+        # dx = dlogits @ W (contract V); dW += x^T dlogits (hv) or dlogits^T x (vh), accumulated in acc_dtype.
+        dx = jax.lax.dot_general(dlogits, kernel, (((1,), (1 if layout == "hv" else 0,)), ((), ())))
+        if layout == "hv":
+            dw = jax.lax.dot_general(xc, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        else:
+            dw = jax.lax.dot_general(dlogits, xc, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        gw = gw + dw.astype(acc_dtype)
+        if gb is not None:
+            gb = gb + jnp.sum(dlogits, axis=0, dtype=jnp.float32)
+        return (gw, gb), (outs[0], z, dx.astype(x.dtype))
+
+    init = None
+    if compute_grad:
+        init = (jnp.zeros(kernel.shape, acc_dtype), None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    carry, ys = jax.lax.scan(body, init, (xs, ls, gs))
+    losses = ys[0].reshape(-1)[:n]
+    z = ys[1].reshape(-1)[:n] if opts["return_z_loss"] else None
+    if not compute_grad:
+        return losses, z, None
+    grad_x = ys[2].reshape(-1, hidden)[:n]
+    return losses, z, (grad_x, carry[0], carry[1])
+
+
+def _reduce(rows, reduction, dtype, shape):
+    if reduction == "none":
+        return rows.astype(dtype).reshape(shape)
+    (total,) = run_plan(core.loss_plan(rows.shape[0], dtype_name(dtype)), rows=rows)
+    return total
+
+
+def _flat(x, labels):
+    return x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+
+
+def _outputs(rows, z, static, dtype, shape):
+    reduction = static[0]["reduction"]
+    loss = _reduce(rows, reduction, dtype, shape)
+    if static[0]["return_z_loss"]:
+        return loss, _reduce(z, reduction, dtype, shape)
+    return loss
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flce(x, kernel, labels, bias, ce_weight, static):
+    x2, l2 = _flat(x, labels)
+    rows, z, _ = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, False)
+    return _outputs(rows, z, static, x.dtype, labels.shape)
+
+
+def _flce_fwd(x, kernel, labels, bias, ce_weight, static):
+    x2, l2 = _flat(x, labels)
+    if static[0]["reduction"] == "none":
+        rows, z, _ = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, False)
+        return _outputs(rows, z, static, x.dtype, labels.shape), (x, kernel, labels, bias, ce_weight, None)
+    rows, z, grads = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, True)
+    return _outputs(rows, z, static, x.dtype, labels.shape), (None, None, None, None, None, grads)
+
+
+def _flce_bwd(static, residuals, cotangent):
+    g = cotangent[0] if static[0]["return_z_loss"] else cotangent  # z_loss is for logging: cotangent dropped
+    x, kernel, labels, bias, ce_weight, grads = residuals
+    if grads is None:  # reduction='none': run the loop again, the per-row cotangent folded into the kernel
+        x2, l2 = _flat(x, labels)
+        _, _, (grad_x, grad_w, grad_b) = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, True,
+                                                     grad_scale=g.reshape(-1).astype(x.dtype))
+        x_shape, dtypes = x.shape, (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
+    else:
+        grad_x, grad_w, grad_b = grads
+        scale = g.astype(jnp.float32)
+        grad_x = grad_x * scale.astype(grad_x.dtype)
+        grad_w = grad_w * scale.astype(grad_w.dtype)
+        grad_b = None if grad_b is None else grad_b * scale
+        x_shape, dtypes = static[4], static[5]
+    grad_x = grad_x.reshape(x_shape).astype(dtypes[0])
+    grad_w = grad_w.astype(dtypes[1])
+    grad_b = None if grad_b is None else grad_b.astype(dtypes[2])
+    return grad_x, grad_w, None, grad_b, None
+
+
+_flce.defvjp(_flce_fwd, _flce_bwd)
+
+
+def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool = False, ce_weight=None,
+                               ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                               lse_square_scale: float = 0.0, softcap: float | None = None,
+                               return_z_loss: bool = False, chunk_size: int | None = None,
+                               accum_dtype_fp32: bool | None = None):
+    """``cross_entropy(x @ kernel + bias, labels)`` for x (..., H) and a Flax ``nnx.Linear`` kernel (H, V),
+    without materialising the (N, V) logits. ``transpose=True`` takes a (V, H) matrix instead, used as
+    ``x @ kernel.T`` (a tied ``nnx.Embed.embedding``).
+
+    Tokens go through a ``lax.scan`` in chunks of ``chunk_size`` rows (default: a fixed logits workspace of
+    ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``, whatever N). ``ce_weight`` is the class
+    weight; the other options are :func:`liger_jax.cross_entropy`'s (labels checked when concrete; under
+    ``jit`` a bad label makes the loss NaN). ``accum_dtype_fp32``: accumulate the kernel's gradient in fp32
+    (default: on for bf16/fp16 kernels). Differentiable in x, kernel and bias.
+    """
+    x = as_array("x", x)
+    kernel = as_array("kernel", kernel)
+    labels = as_array("labels", labels)
+    bias = None if bias is None else as_array("bias", bias)
+    ce_weight = None if ce_weight is None else as_array("ce_weight", ce_weight)
+    layout = "vh" if transpose else "hv"
+    ce_core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                          lse_square_scale=lse_square_scale, softcap=softcap)
+    vocab = core.check_inputs(info(x), info(kernel), info(labels), optional_info(bias), optional_info(ce_weight),
+                              layout=layout, weight_name="kernel", target_name="labels")
+    core.chunk_rows(1, vocab, dtype_name(x.dtype), chunk_size)  # validates chunk_size
+    check_labels(labels, vocab, ignore_index)
+    opts = dict(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
+                lse_square_scale=float(lse_square_scale), softcap=None if softcap is None else float(softcap),
+                return_z_loss=bool(return_z_loss))
+    accum_fp32 = core.accumulate_in_fp32(dtype_name(kernel.dtype), accum_dtype_fp32)
+    dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
+    static = _Static(opts, layout, chunk_size, accum_fp32, tuple(x.shape), dtypes)
+    return _flce(x, kernel, labels, bias, ce_weight, static)
+
+
+class _Static(tuple):
+    """The non-differentiable, hashable configuration: (opts, layout, chunk_size, accum_fp32, x_shape, dtypes)."""
+
+    def __new__(cls, opts, layout, chunk_size, accum_fp32, x_shape, dtypes):
+        return super().__new__(cls, (_FrozenDict(opts), layout, chunk_size, accum_fp32, x_shape, dtypes))
+
+
+class _FrozenDict(dict):
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))

@@ -1,0 +1,80 @@
+"""SwiGLU / GeGLU for jax: ``custom_vjp`` wiring around :mod:`liger_core.swiglu`.
+
+The backward recomputes the activation and writes da over a and db over b (``input_output_aliases``; XLA
+copies first when a or b is still needed elsewhere, so this is always safe). Elementwise, so ``jax.vmap``
+folds trivially: the batched arrays are the kernel's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from liger_core import swiglu as core
+
+from ._launch import as_array, broadcast_unbatched, info, run_plan
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_op(activation: str):
+    def forward(a, b):
+        (c,) = run_plan(core.forward_plan(info(a), info(b), activation=activation), a=a, b=b)
+        return c
+
+    op = jax.custom_batching.custom_vmap(forward)
+
+    @op.def_vmap
+    def _fold_batch(axis_size, in_batched, a, b):
+        return op(*broadcast_unbatched(axis_size, in_batched, (a, b))), True
+
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_op(activation: str):
+    def backward(dc, a, b):
+        plan = core.backward_plan(info(dc), info(a), info(b), activation=activation, in_place=True)
+        return run_plan(plan, dc=dc, a=a, b=b)
+
+    op = jax.custom_batching.custom_vmap(backward)
+
+    @op.def_vmap
+    def _fold_batch(axis_size, in_batched, dc, a, b):
+        return op(*broadcast_unbatched(axis_size, in_batched, (dc, a, b))), (True, True)
+
+    return op
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gated(a, b, activation):
+    return _forward_op(activation)(a, b)
+
+
+def _gated_fwd(a, b, activation):
+    return _forward_op(activation)(a, b), (a, b)
+
+
+def _gated_bwd(activation, residuals, dc):
+    a, b = residuals
+    return tuple(_backward_op(activation)(dc, a, b))
+
+
+_gated.defvjp(_gated_fwd, _gated_bwd)
+
+
+def _call(a, b, activation):
+    a, b = as_array("a", a), as_array("b", b)
+    core.forward_plan(info(a), info(b), activation=activation)  # validate before any trace or launch
+    return _gated(a, b, activation)
+
+
+def swiglu(a, b):
+    """``silu(a) * b``; differentiable, works under ``jit``, ``grad``, ``vmap`` and ``checkpoint``."""
+    return _call(a, b, "silu")
+
+
+def geglu(a, b, *, approximate: str = "tanh"):
+    """``gelu(a) * b`` with ``approximate="tanh"`` (``jax.nn.gelu``'s default, HF ``gelu_pytorch_tanh``) or
+    ``"none"`` (exact erf, ``jax.nn.gelu(approximate=False)``)."""
+    return _call(a, b, core.gelu_activation(approximate))

@@ -1,0 +1,128 @@
+"""Cross-entropy for torch: autograd wiring around :mod:`liger_core.cross_entropy`.
+
+The forward computes the loss and, when the logits need a gradient, d loss / d logits in the same kernel;
+the backward only scales it by the incoming gradient (in place, so it may run once: ``retain_graph`` and a
+second backward through the same loss are refused).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_core import cross_entropy as core
+
+from ._launch import check_tensors, info, optional_info, rowwise, run_plan
+
+
+def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target") -> None:
+    """Raise ValueError if a target is outside [0, n_classes) and not ignore_index.
+
+    One fused reduction over the targets, then a host sync (``.item()``) to read its result: cheap next to the
+    loss, but it does stop the host from running ahead of the GPU (and it cannot be captured in a CUDA graph).
+    """
+    valid = (target == ignore_index) | ((target >= 0) & (target < n_classes))
+    if not bool(valid.all()):
+        raise ValueError(core.invalid_targets_message(n_classes, ignore_index, name))
+
+
+def _check_2d(logits: torch.Tensor, target: torch.Tensor, logits_name: str = "logits") -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"{logits_name} must have shape (N, V) with the classes last, got {tuple(logits.shape)}; "
+                         "flatten the leading dimensions (and the targets) first")
+
+
+class LigerCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                softcap, return_z_loss, in_place, compute_grad):
+        logits = rowwise(logits)
+        plan = core.forward_plan(
+            info(logits), info(target), optional_info(weight), ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+            return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=in_place)
+        outs = run_plan(plan, logits=logits, target=target, weight=weight)
+        loss = outs[0]
+        if compute_grad:
+            grad = outs[-1]
+            if grad.data_ptr() == logits.data_ptr():
+                # The kernel wrote over the logits behind autograd's back: tell it, so that a graph that saved
+                # them for its own backward fails loudly instead of using the overwritten values.
+                torch.autograd.graph.increment_version(logits)
+            ctx.save_for_backward(grad)
+        ctx.reduction = reduction
+        ctx.backward_done = False
+        if return_z_loss:
+            ctx.mark_non_differentiable(outs[1])
+            return loss, outs[1]
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        if ctx.backward_done:
+            raise RuntimeError("liger_torch.cross_entropy: backward through the same loss twice is not supported "
+                               "(the gradient computed in the forward is scaled in place)")
+        ctx.backward_done = True
+        (grad,) = ctx.saved_tensors
+        plan = core.backward_plan(info(grad), info(grad_loss), reduction=ctx.reduction, in_place=True)
+        (dlogits,) = run_plan(plan, grad=grad, grad_output=grad_loss)
+        return dlogits, None, None, None, None, None, None, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+                  in_place: bool = False):
+    """``torch.nn.functional.cross_entropy(logits, target, ...)`` for logits (N, V), plus z-loss and softcap.
+
+    - ``lse_square_scale``: adds ``lse_square_scale * logsumexp(logits)**2`` per non-ignored row (z-loss);
+      with ``return_z_loss`` returns ``(loss, z_loss)``, ``z_loss`` (not differentiable) being that part of
+      ``loss``, reduced alike.
+    - ``softcap``: the logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+    - ``in_place``: write the gradient over ``logits`` during the forward (saves a (N, V) buffer; ``logits``
+      then no longer hold the logits, so only when nothing else reads them later).
+
+    The loss has the logits' dtype (all arithmetic is fp32). Unlike torch, ``mean`` over a batch whose targets
+    are all ``ignore_index`` gives 0 (and a zero gradient), not NaN. Targets are checked eagerly: a value
+    outside ``[0, V)`` other than ``ignore_index`` raises ValueError; that check is one reduction over the
+    targets and a host sync.
+    """
+    check_tensors(logits=logits, target=target, weight=weight)
+    core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                       lse_square_scale=lse_square_scale, softcap=softcap)
+    _check_2d(logits, target)
+    core.check_inputs(info(logits), info(target), optional_info(weight))
+    check_targets(target, logits.shape[-1], ignore_index)
+    return LigerCrossEntropyFunction.apply(
+        logits, target, weight, int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
+        None if softcap is None else float(softcap), bool(return_z_loss), bool(in_place),
+        torch.is_grad_enabled() and logits.requires_grad)
+
+
+class CrossEntropyLoss(nn.Module):
+    """Drop-in for ``torch.nn.CrossEntropyLoss`` (class weight registered as buffer ``weight``), with the
+    extra options of :func:`cross_entropy`."""
+
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                 return_z_loss: bool = False, in_place: bool = False):
+        super().__init__()
+        core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                           lse_square_scale=lse_square_scale, softcap=softcap)
+        self.register_buffer("weight", weight)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.lse_square_scale = lse_square_scale
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.in_place = in_place
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
+        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
+                             self.lse_square_scale, self.softcap, self.return_z_loss, self.in_place)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
+                f"softcap={self.softcap}, return_z_loss={self.return_z_loss}, in_place={self.in_place}")

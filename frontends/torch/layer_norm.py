@@ -1,0 +1,87 @@
+"""LayerNorm for torch: autograd wiring around :mod:`liger_core.layer_norm`."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+
+from liger_core import layer_norm as core
+
+from ._launch import check_tensors, info, num_sms, optional_info, rowwise, run_plan
+
+
+class LigerLayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        x = rowwise(x)
+        plan = core.forward_plan(info(x), optional_info(weight), optional_info(bias), eps=eps)
+        y, mean, rstd = run_plan(plan, x=x, weight=weight, bias=bias)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bias_info = optional_info(bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dy = rowwise(grad_output)
+        # Not in place: the gradient of a LayerNorm output is often shared (e.g. a pre-norm's input branch).
+        plan = core.backward_plan(info(dy), info(x), optional_info(weight), ctx.bias_info,
+                                  num_sms=num_sms(x.device), in_place=False)
+        grads = list(run_plan(plan, dy=dy, x=x, weight=weight, mean=mean, rstd=rstd))
+        dx = grads.pop(0)
+        dw = grads.pop(0) if weight is not None else None
+        db = grads.pop(0) if ctx.bias_info is not None else None
+        return dx, dw, db, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dimension: ``(x - mean) * rstd * weight + bias`` (weight and bias optional).
+
+    Computed in fp32, rounded once to x's dtype, as ``torch.nn.functional.layer_norm`` does."""
+    check_tensors(x=x, weight=weight, bias=bias)
+    return LigerLayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm`` over the last dimension (attributes ``normalized_shape``, ``eps``,
+    ``elementwise_affine``, ``weight``, ``bias``; same state_dict keys)."""
+
+    def __init__(self, hidden_size, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if isinstance(hidden_size, numbers.Integral):
+            hidden_size = (int(hidden_size),)
+        hidden_size = tuple(int(d) for d in hidden_size)
+        if len(hidden_size) != 1:
+            raise ValueError(f"hidden_size must be an int or a 1-tuple (only the last dimension is normalised), "
+                             f"got {hidden_size}")
+        self.normalized_shape = hidden_size
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 0 or x.shape[-1] != self.normalized_shape[0]:
+            raise ValueError(f"x's last dimension must be {self.normalized_shape[0]}, got shape {tuple(x.shape)}")
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

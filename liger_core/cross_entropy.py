@@ -1,0 +1,474 @@
+"""Cross-entropy on logits, with its gradient produced in the forward pass.
+
+One program per row reads the row twice: an online softmax in fp32 over vocab blocks (running max and sum of
+exponentials, plus the sums label smoothing needs), then a second sweep that writes the gradient of the
+(already reduced) loss with respect to the logits, either over the logits themselves (in place) or into a
+fresh buffer. The backward is then a scale of that gradient by the incoming one (:func:`backward_plan`).
+
+Options follow ``torch.nn.functional.cross_entropy``:
+
+- ``ignore_index`` (rows whose target equals it contribute nothing), ``reduction`` in mean|sum|none,
+  ``label_smoothing`` and class ``weight``, with torch's formulas: per row
+  ``(1 - eps) * w[t] * (lse - z[t]) + eps / V * sum_c w[c] * (lse - z[c])``; ``mean`` divides the sum by the
+  sum of ``w[t]`` over non-ignored rows (their count without weights).
+- ``lse_square_scale`` (z-loss, PaLM): adds ``lse_square_scale * lse**2`` per non-ignored row (unweighted;
+  ``mean`` divides its sum by the number of non-ignored rows). The returned loss includes it; the separate
+  ``z_loss`` output is for logging.
+- ``softcap`` (Gemma 2): the logits are first mapped to ``softcap * tanh(logits / softcap)``; the gradient
+  carries the factor ``1 - tanh**2``.
+
+Deliberate differences from torch: an all-ignored batch (or a zero total class weight) under ``mean`` gives a
+loss of 0 and a zero gradient instead of NaN. A target outside ``[0, V)`` that is not ``ignore_index`` makes
+that row's loss and gradient NaN inside the kernel; the frontends check eagerly and raise ValueError where
+they can (see :func:`invalid_targets_message`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import (
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, collapse_rows, contiguous_strides,
+    next_power_of_2, warps_for,
+)
+from .reduce import sum_partials_launch
+
+REDUCTIONS = ("mean", "sum", "none")
+INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+# Vocabulary elements one program holds per block of its sweep over a row.
+_MAX_BLOCK_V = 8192
+# Targets one program reads per step when counting the non-ignored rows.
+_COUNT_BLOCK = 1024
+_SCALE_BLOCK = 4096
+
+
+@triton.jit
+def _tanh(u):
+    """tanh through exp (no libdevice): odd, with exp(-2|u|) <= 1 so nothing overflows."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def _denominators_kernel(
+    T, t_stride,
+    W, w_stride,
+    n_rows, n_cols, ignore_index,
+    DENOM,
+    BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):
+    """DENOM[0] = sum of w[t] over valid rows (their count without weights), DENOM[1] = count of valid rows."""
+    count = tl.zeros([BLOCK], dtype=tl.float32)
+    weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_range = rows < n_rows
+        t = tl.load(T + rows.to(tl.int64) * t_stride, mask=in_range, other=0).to(tl.int64)
+        valid = in_range & (t != ignore_index) & (t >= 0) & (t < n_cols)
+        count += valid.to(tl.float32)
+        if HAS_WEIGHT:
+            safe = tl.where(valid, t, 0)
+            weight_sum += tl.load(W + safe * w_stride, mask=valid, other=0.0).to(tl.float32)
+    n_valid = tl.sum(count, axis=0)
+    if HAS_WEIGHT:
+        tl.store(DENOM, tl.sum(weight_sum, axis=0))
+    else:
+        tl.store(DENOM, n_valid)
+    tl.store(DENOM + 1, n_valid)
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    X, x_row_stride, x_col_stride,
+    T, t_stride,
+    W, w_stride,
+    DENOM,
+    G, g_stride,
+    grad_row_stride, grad_col_stride,
+    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
+    LOSS, Z_LOSS, GRAD,
+    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * x_row_stride
+    grad_row = GRAD + row * grad_row_stride
+    offsets = tl.arange(0, BLOCK_V)
+    t = tl.load(T + row * t_stride).to(tl.int64)
+    zero = t.to(tl.float32) * 0.0
+
+    if t == ignore_index:
+        if HAS_GRAD:
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offsets
+                tl.store(grad_row + cols * grad_col_stride,
+                         tl.zeros([BLOCK_V], dtype=tl.float32).to(GRAD.dtype.element_ty), mask=cols < n_cols)
+        tl.store(LOSS + row, zero.to(LOSS.dtype.element_ty))
+        if RETURN_Z:
+            tl.store(Z_LOSS + row, zero.to(Z_LOSS.dtype.element_ty))
+        return
+
+    valid = (t >= 0) & (t < n_cols)
+    t_safe = tl.where(valid, t, 0)
+
+    # Sweep 1: online softmax statistics, and the sums label smoothing needs.
+    m = float("-inf")
+    d = 0.0
+    sum_z = 0.0
+    sum_wz = 0.0
+    sum_w = 0.0
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + offsets
+        mask = cols < n_cols
+        x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            x = softcap * _tanh(x / softcap)
+        z = tl.where(mask, x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+                sum_wz += tl.sum(tl.where(mask, w * x, 0.0), axis=0)
+                sum_w += tl.sum(w, axis=0)
+            else:
+                sum_z += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    lse = m + tl.log(d)
+
+    x_t = tl.load(x_row + t_safe * x_col_stride).to(tl.float32)
+    if HAS_SOFTCAP:
+        x_t = softcap * _tanh(x_t / softcap)
+    if HAS_WEIGHT:
+        w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
+    else:
+        w_t = 1.0
+    if MEAN:
+        denom_w = tl.load(DENOM)
+        denom_n = tl.load(DENOM + 1)
+        ce_scale = tl.where(denom_w > 0, 1.0 / tl.where(denom_w > 0, denom_w, 1.0), 0.0)
+        z_scale = tl.where(denom_n > 0, 1.0 / tl.where(denom_n > 0, denom_n, 1.0), 0.0)
+    else:
+        ce_scale = 1.0
+        z_scale = 1.0
+    eps = label_smoothing
+    ce = (1.0 - eps) * w_t * (lse - x_t)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            ce += eps / n_cols * (sum_w * lse - sum_wz)
+        else:
+            ce += eps * lse - eps / n_cols * sum_z
+    loss = ce * ce_scale
+    z_loss = lse_square_scale * lse * lse * z_scale
+    if HAS_Z:
+        loss += z_loss
+    loss = tl.where(valid, loss, float("nan"))
+    tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
+    if RETURN_Z:
+        tl.store(Z_LOSS + row, tl.where(valid, z_loss, float("nan")).to(Z_LOSS.dtype.element_ty))
+
+    # Sweep 2: d loss / d logits = a * softmax - b * onehot(t) - c * w (times 1 - tanh^2 with a softcap).
+    if HAS_GRAD:
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                a = ((1.0 - eps) * w_t + eps / n_cols * sum_w) * ce_scale
+            else:
+                a = ce_scale * 1.0
+        else:
+            a = w_t * ce_scale
+        if HAS_Z:
+            a += 2.0 * lse_square_scale * lse * z_scale
+        b = (1.0 - eps) * w_t * ce_scale
+        c = eps / n_cols * ce_scale
+        if HAS_GRAD_SCALE:
+            g = tl.load(G + row * g_stride).to(tl.float32)
+            a = a * g
+            b = b * g
+            c = c * g
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + offsets
+            mask = cols < n_cols
+            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                th = _tanh(x / softcap)
+                x = softcap * th
+            grad = tl.exp(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
+            if HAS_SMOOTHING:
+                if HAS_WEIGHT:
+                    grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    grad -= c
+            if HAS_SOFTCAP:
+                grad = grad * (1.0 - th * th)
+            grad = tl.where(valid, grad, float("nan"))
+            tl.store(grad_row + cols * grad_col_stride, grad.to(GRAD.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_rows_kernel(
+    GRAD, row_stride, col_stride,
+    G, g_stride,
+    n_cols,
+    OUT,
+    BLOCK: tl.constexpr,
+):
+    """OUT[r, :] = GRAD[r, :] * G[r * g_stride] (g_stride 0: one scalar); OUT may be GRAD itself."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(G + row * g_stride).to(tl.float32)
+    offs = row * row_stride + cols * col_stride
+    v = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (v * g).to(OUT.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def check_options(*, ignore_index, reduction, label_smoothing, lse_square_scale, softcap) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if float(lse_square_scale) < 0.0:
+        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+
+
+def check_target(target: ArrayInfo, rows_shape, name: str = "target") -> None:
+    if target.dtype not in INT_DTYPES:
+        raise TypeError(f"{name} must have an integer dtype in {INT_DTYPES}, got {target.dtype}")
+    if tuple(target.shape) != tuple(rows_shape):
+        raise ValueError(f"{name} must have shape {tuple(rows_shape)} (the logits' shape without the class "
+                         f"axis), got {target.shape}")
+
+
+def check_class_weight(weight: ArrayInfo | None, n_classes: int, name: str = "weight") -> None:
+    if weight is None:
+        return
+    check_float(weight, name)
+    if tuple(weight.shape) != (n_classes,):
+        raise ValueError(f"{name} must have shape ({n_classes},) (one weight per class), got {weight.shape}")
+
+
+def target_stride(target: ArrayInfo, name: str = "target") -> int:
+    """The stride between consecutive rows' targets (targets are read as one flat strided axis)."""
+    if target.ndim == 0:
+        return 0
+    if target.ndim == 1:
+        return target.strides[0]
+    if target.numel > 1 and tuple(target.strides) != contiguous_strides(target.shape):
+        raise ValueError(f"{name} with more than one dimension must be contiguous, got strides {target.strides}")
+    return 1
+
+
+def invalid_targets_message(vocab: int, ignore_index: int, name: str = "target") -> str:
+    return (f"{name} has values outside [0, {vocab}) that are not ignore_index={ignore_index}; "
+            f"every target must be a class index or ignore_index")
+
+
+def _logit_rows(logits: ArrayInfo, name: str) -> tuple[int, int, int, int]:
+    view = collapse_rows(logits)
+    if view is None:
+        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
+                         f"(shape {logits.shape}, strides {logits.strides}); make it contiguous first")
+    return view
+
+
+def check_inputs(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, logits_name: str = "logits",
+                 target_name: str = "target", weight_name: str = "weight") -> None:
+    check_nonempty(logits, logits_name)
+    check_float(logits, logits_name)
+    check_target(target, logits.shape[:-1], target_name)
+    check_class_weight(weight, logits.shape[-1], weight_name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launches and plans
+
+
+def denominators_launch(target: ArrayInfo, weight: ArrayInfo | None, n_classes: int, ignore_index: int) -> Launch:
+    """``denom`` (2,) fp32: [sum of w[target] over valid rows (or their count), count of valid rows]."""
+    n_rows = target.numel
+    has_weight = weight is not None
+    return Launch(
+        kernel=_denominators_kernel,
+        grid=(1,),
+        args=(Buf("target"), target_stride(target),
+              Buf("weight" if has_weight else "target"), weight.strides[0] if has_weight else 0,
+              n_rows, n_classes, int(ignore_index)),
+        outputs=(NewBuffer("denom", (2,), "float32"),),
+        constexprs={"BLOCK": min(_COUNT_BLOCK, next_power_of_2(n_rows)), "HAS_WEIGHT": has_weight},
+        num_warps=4,
+    )
+
+
+def block_v(n_cols: int) -> int:
+    return min(_MAX_BLOCK_V, next_power_of_2(n_cols))
+
+
+def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
+                reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+                return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
+                grad_scale: ArrayInfo | None = None) -> Launch:
+    """The per-row kernel: outputs ``loss_rows`` (already divided by the mean's denominators; needs the
+    ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``)."""
+    n_rows, n_cols, row_stride, col_stride = _logit_rows(logits, "logits")
+    has_weight = weight is not None
+    mean = reduction == "mean"
+    # Writing the gradient over the logits is safe only when their rows do not overlap.
+    dense = col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
+    if compute_grad and in_place and dense:
+        grad = NewBuffer("grad", logits.shape, logits.dtype, alias="logits")
+        grad_row_stride, grad_col_stride = row_stride, col_stride
+    elif compute_grad:
+        grad = NewBuffer("grad", logits.shape, logits.dtype)
+        grad_row_stride, grad_col_stride = n_cols, 1
+    else:
+        grad = NewBuffer("grad_unused", (1,), logits.dtype)
+        grad_row_stride, grad_col_stride = 0, 0
+    z_out = NewBuffer("z_rows", tuple(loss_shape), loss_dtype) if return_z_loss else NewBuffer(
+        "z_unused", (1,), "float32")
+    if grad_scale is not None:
+        if grad_scale.numel != n_rows:
+            raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
+        g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
+    bv = block_v(n_cols)
+    return Launch(
+        kernel=_cross_entropy_kernel,
+        grid=(n_rows,),
+        args=(Buf("logits"), row_stride, col_stride,
+              Buf("target"), target_stride(target),
+              Buf("weight" if has_weight else "logits"), weight.strides[0] if has_weight else 0,
+              Buf("denom" if mean else "target"),
+              Buf("grad_scale" if grad_scale is not None else "logits"), g_stride if grad_scale is not None else 0,
+              grad_row_stride, grad_col_stride,
+              n_cols, int(ignore_index), float(label_smoothing), float(lse_square_scale),
+              float(softcap) if softcap is not None else 1.0),
+        outputs=(NewBuffer("loss_rows", tuple(loss_shape), loss_dtype), z_out, grad),
+        constexprs={"BLOCK_V": bv, "HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
+                    "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
+                    "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
+                    "HAS_GRAD_SCALE": grad_scale is not None},
+        num_warps=warps_for(bv, max_warps=16),
+    )
+
+
+def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None = None, *,
+                 ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+                 compute_grad: bool = True, in_place: bool = False, logits_name: str = "logits",
+                 target_name: str = "target", weight_name: str = "weight") -> Plan:
+    """Plan for the loss (and its gradient) of logits ``(..., V)`` against integer ``target`` ``(...)``.
+
+    Inputs ``logits``, ``target`` (and ``weight``). Outputs ``loss`` (shape () for mean/sum, target's shape
+    for none; logits' dtype), then ``z_loss`` with ``return_z_loss``, then ``grad`` (d loss / d logits, for an
+    incoming gradient of 1; logits' dtype) with ``compute_grad``, written over the logits with ``in_place``
+    when they are dense. ``*_name`` are the arguments' names in the caller's API, for error messages.
+    """
+    check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                  lse_square_scale=lse_square_scale, softcap=softcap)
+    check_inputs(logits, target, weight, logits_name=logits_name, target_name=target_name,
+                 weight_name=weight_name)
+    n_classes = logits.shape[-1]
+    n_rows = target.numel
+    launches = []
+    if reduction == "mean":
+        launches.append(denominators_launch(target, weight, n_classes, ignore_index))
+    rows_dtype, rows_shape = (logits.dtype, target.shape) if reduction == "none" else ("float32", (n_rows,))
+    launches.append(rows_launch(
+        logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape))
+    outputs = ["loss_rows"]
+    if return_z_loss:
+        outputs.append("z_rows")
+    if reduction != "none":
+        launches.append(sum_partials_launch("loss_rows", "loss", 1, n_rows, 1, logits.dtype, out_shape=()))
+        outputs[0] = "loss"
+        if return_z_loss:
+            launches.append(sum_partials_launch("z_rows", "z_loss", 1, n_rows, 1, logits.dtype, out_shape=()))
+            outputs[1] = "z_loss"
+    if compute_grad:
+        outputs.append("grad")
+    inputs = ("logits", "target", "weight") if weight is not None else ("logits", "target")
+    return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs))
+
+
+def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: int, ignore_index: int) -> Plan:
+    """Plan for ``denom`` (2,) fp32, the divisors of a mean over many chunks (see :func:`chunk_plan`)."""
+    launch = denominators_launch(target, weight, n_classes, ignore_index)
+    inputs = ("target", "weight") if weight is not None else ("target",)
+    return Plan(inputs=inputs, launches=(launch,), outputs=("denom",))
+
+
+def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
+               reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+               return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None) -> Plan:
+    """One chunk of rows of a larger loss (fused linear cross-entropy): fp32 per-row ``loss_rows`` (and
+    ``z_rows``), already divided by the whole batch's denominators (input ``denom`` for ``mean``, from
+    :func:`denominators_plan`), and ``grad`` written over the chunk's logits. With ``grad_scale`` (one value per
+    row, input ``grad_scale``) the gradient is multiplied by it (reduction='none' backward)."""
+    launch = rows_launch(
+        logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+        compute_grad=compute_grad, in_place=True, loss_dtype="float32", loss_shape=(target.numel,),
+        grad_scale=grad_scale)
+    inputs = ["logits", "target"]
+    if weight is not None:
+        inputs.append("weight")
+    if reduction == "mean":
+        inputs.append("denom")
+    if grad_scale is not None:
+        inputs.append("grad_scale")
+    outputs = ["loss_rows"] + (["z_rows"] if return_z_loss else []) + (["grad"] if compute_grad else [])
+    return Plan(inputs=tuple(inputs), launches=(launch,), outputs=tuple(outputs))
+
+
+def sum_rows_plan(n_rows: int, dtype: str) -> Plan:
+    """Plan summing fp32 ``rows`` (n_rows,) in a fixed order into ``total`` (shape (), ``dtype``)."""
+    launch = sum_partials_launch("rows", "total", 1, n_rows, 1, dtype, out_shape=())
+    return Plan(inputs=("rows",), launches=(launch,), outputs=("total",))
+
+
+def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in_place: bool = True) -> Plan:
+    """Plan for ``dlogits = grad * grad_output``: a scalar for mean/sum, one value per row for none.
+
+    Inputs ``grad`` (from :func:`forward_plan`) and ``grad_output``; output ``dlogits``, written over ``grad``
+    with ``in_place``."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_float(grad_output, "grad_output")
+    n_rows, n_cols, row_stride, col_stride = _logit_rows(grad, "grad")
+    if reduction == "none":
+        if tuple(grad_output.shape) != tuple(grad.shape[:-1]):
+            raise ValueError(f"grad_output must have shape {grad.shape[:-1]}, got {grad_output.shape}")
+        g_stride = 0 if grad_output.ndim == 0 else target_stride(grad_output, "grad_output")
+    else:
+        if grad_output.numel != 1:
+            raise ValueError(f"grad_output must be a scalar for reduction={reduction!r}, got {grad_output.shape}")
+        g_stride = 0
+    dense = col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
+    if in_place and dense:
+        out = NewBuffer("dlogits", grad.shape, grad.dtype, alias="grad")
+    else:
+        out = NewBuffer("dlogits", grad.shape, grad.dtype)
+        if (row_stride, col_stride) != (n_cols, 1):
+            raise ValueError("grad must be dense to scale it into a fresh buffer")
+    block = min(_SCALE_BLOCK, next_power_of_2(n_cols))
+    launch = Launch(
+        kernel=_scale_rows_kernel,
+        grid=(n_rows, cdiv(n_cols, block)),
+        args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), g_stride, n_cols),
+        outputs=(out,),
+        constexprs={"BLOCK": block},
+        num_warps=warps_for(block, max_warps=8),
+    )
+    return Plan(inputs=("grad", "grad_output"), launches=(launch,), outputs=("dlogits",))

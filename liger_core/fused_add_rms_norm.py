@@ -1,0 +1,236 @@
+"""Fused residual add + RMSNorm: h = x + residual, y = rms_norm(h); returns (y, h) in one pass.
+
+h has the promotion of x's and residual's dtypes (the sum is rounded to it once, as a half-precision add
+would be); y follows :mod:`liger_core.rms_norm` with h in the role of x (same casting modes, same offset,
+same output dtype). Forward saves rstd (fp32, one per row); the backward reads only h, never x or residual.
+
+Backward, one pass per row block: dh_total = d rms_norm / dh + dh_in (dh_in: the incoming gradient of the
+returned h), and dx = dresidual = dh_total (rounded to x's and residual's dtypes); dw from per-program fp32
+partial sums reduced in a fixed order by :mod:`liger_core.reduce` (bitwise deterministic).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_same_shape, promote, warps_for
+from .reduce import sum_partials_launch
+from .rms_norm import (
+    _BACKWARD_PROGRAMS_PER_SM, CASTING_MODES, _check_inputs, _round, _rows, _tile, output_dtype,
+)
+
+
+@triton.jit
+def _fused_add_rms_norm_forward_kernel(
+    X, x_row_stride, x_col_stride,
+    R, r_row_stride, r_col_stride,
+    W, w_stride,
+    n_rows, n_cols, eps, offset,
+    Y, H, RSTD,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    r = tl.load(R + rows[:, None] * r_row_stride + cols[None, :] * r_col_stride, mask=mask, other=0.0)
+    h_dtype = H.dtype.element_ty
+    # The fp32 sum of two half-precision values rounded once to h's dtype is the half-precision sum.
+    hf = _round(x.to(tl.float32) + r.to(tl.float32), h_dtype)
+    tl.store(H + rows[:, None] * n_cols + cols[None, :], hf.to(h_dtype), mask=mask)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+    # The rounding points of liger_core.rms_norm's casting modes, with h in the role of x.
+    y_dtype = Y.dtype.element_ty
+    if HAS_WEIGHT:
+        scale = offset + tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+    if CASTING == 1:  # gemma: all fp32
+        y = hf * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * scale[None, :]
+    elif CASTING == 0:  # llama: normalise in fp32, round to h's dtype, scale in the output dtype
+        y = _round(hf * rstd[:, None], h_dtype)
+        if HAS_WEIGHT:
+            y = y * _round(scale, y_dtype)[None, :]
+    else:  # none: the statistic in fp32, the rest in h's dtype
+        y = _round(hf * _round(rstd, h_dtype)[:, None], h_dtype)
+        if HAS_WEIGHT:
+            y = y * _round(scale, h_dtype)[None, :]
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(y_dtype), mask=mask)
+
+
+@triton.jit
+def _fused_add_rms_norm_backward_kernel(
+    DY, dy_row_stride, dy_col_stride,
+    DH, dh_row_stride, dh_col_stride,
+    H, h_row_stride, h_col_stride,
+    W, w_stride,
+    RSTD,
+    dx_row_stride, dx_col_stride,
+    dr_row_stride, dr_col_stride,
+    rows_per_group, n_cols, offset, rows_per_program,
+    DX, DR, DW_PARTIAL,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr,
+):
+    program = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)
+    n_programs = tl.num_programs(0)
+    first_row = group * rows_per_group
+    row_begin = program * rows_per_program
+    row_end = tl.minimum(row_begin + rows_per_program, rows_per_group)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
+        dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, rows_per_program, BLOCK_M):
+        local = row_begin + start + tl.arange(0, BLOCK_M)
+        rows = first_row + local.to(tl.int64)
+        row_mask = local < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+        h = tl.load(H + rows[:, None] * h_row_stride + cols[None, :] * h_col_stride, mask=mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        dy = dy.to(tl.float32)
+        normed = h.to(tl.float32) * rstd[:, None]
+        if HAS_WEIGHT:
+            if CASTING == 0:  # llama multiplies w by the normalised h already rounded to h's dtype
+                dw_acc += dy * _round(normed, h.dtype)
+            else:
+                dw_acc += dy * normed
+            dnormed = dy * w[None, :]
+        else:
+            dnormed = dy
+        mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
+        dh = (dnormed - normed * mean_dot[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dh_in = tl.load(DH + rows[:, None] * dh_row_stride + cols[None, :] * dh_col_stride, mask=mask,
+                            other=0.0)
+            dh += dh_in.to(tl.float32)
+        tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :] * dx_col_stride,
+                 dh.to(DX.dtype.element_ty), mask=mask)
+        if SEPARATE_DR:
+            tl.store(DR + rows[:, None] * dr_row_stride + cols[None, :] * dr_col_stride,
+                     dh.to(DR.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        slot = group * n_programs + program
+        tl.store(DW_PARTIAL + slot * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch logic
+
+
+def _check_pair(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, casting_mode: str,
+                weight_name: str) -> None:
+    _check_inputs(x, weight, casting_mode, weight_name)
+    check_float(residual, "residual")
+    check_same_shape(x, "x", residual, "residual")
+
+
+def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *, eps: float,
+                 offset: float = 0.0, casting_mode: str = "llama", weight_name: str = "weight") -> Plan:
+    """Plan for ``y, h, rstd = fused_add_rms_norm(x, residual, weight)``.
+
+    Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
+    ``weight_name`` is the weight's name in the caller's API, for error messages."""
+    _check_pair(x, residual, weight, casting_mode, weight_name)
+    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
+    _, _, r_row_stride, r_col_stride = _rows(residual, "residual")
+    block_m, block_n = _tile(n_cols, n_rows)
+    has_weight = weight is not None
+    h_dtype = promote(x.dtype, residual.dtype)
+    y_dtype = output_dtype(h_dtype, weight.dtype if has_weight else None, casting_mode)
+    launch = Launch(
+        kernel=_fused_add_rms_norm_forward_kernel,
+        grid=(cdiv(n_rows, block_m),),
+        args=(Buf("x"), x_row_stride, x_col_stride, Buf("residual"), r_row_stride, r_col_stride,
+              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
+              n_rows, n_cols, float(eps), float(offset)),
+        outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("h", x.shape, h_dtype),
+                 NewBuffer("rstd", x.shape[:-1], "float32")),
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
+                    "HAS_WEIGHT": has_weight},
+        num_warps=warps_for(block_m * block_n),
+    )
+    inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
+    return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
+
+
+def _dense(row_stride: int, col_stride: int, n_rows: int, n_cols: int) -> bool:
+    """Rows that do not overlap (an expanded, stride-0 gradient's do): safe to write over."""
+    return col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
+
+
+def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: ArrayInfo | None, *,
+                  x_dtype: str, residual_dtype: str, offset: float = 0.0, casting_mode: str = "llama",
+                  num_sms: int, in_place: bool = True, separate_residual_grad: bool = True,
+                  groups: int = 1) -> Plan:
+    """Plan for ``dx, dresidual, dw = fused_add_rms_norm_backward(dy, dh, h, weight, rstd)``.
+
+    Inputs ``dy`` (gradient of y), ``dh`` (gradient of the returned h; None when it has none), ``h``, ``rstd``
+    (and ``weight``). Outputs ``dx`` (x's dtype), then ``dresidual`` (residual's dtype) when
+    ``separate_residual_grad`` (else dresidual is dx: a caller may only skip it when the dtypes agree), then
+    ``dw`` with a weight. With ``in_place``, dx is written over dy and dresidual over dh where the dtypes agree
+    and the gradient is dense. ``groups`` as in :func:`liger_core.rms_norm.backward_plan`.
+    """
+    _check_inputs(h, weight, casting_mode)
+    if tuple(dy.shape) != tuple(h.shape):
+        raise ValueError(f"grad_output must have the shape of x {h.shape}, got {dy.shape}")
+    check_float(dy, "grad_output")
+    if dh is not None:
+        if tuple(dh.shape) != tuple(h.shape):
+            raise ValueError(f"grad_residual must have the shape of x {h.shape}, got {dh.shape}")
+        check_float(dh, "grad_residual")
+    if not separate_residual_grad and x_dtype != residual_dtype:
+        raise ValueError(f"x ({x_dtype}) and residual ({residual_dtype}) need separate gradients")
+    n_rows, n_cols, h_row_stride, h_col_stride = _rows(h, "h")
+    _, _, dy_row_stride, dy_col_stride = _rows(dy, "grad_output")
+    dh_row_stride, dh_col_stride = _rows(dh, "grad_residual")[2:] if dh is not None else (0, 0)
+    if n_rows % groups:
+        raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
+    rows_per_group = n_rows // groups
+    block_m, block_n = _tile(n_cols, rows_per_group)
+    n_programs = max(1, min(num_sms * _BACKWARD_PROGRAMS_PER_SM, cdiv(rows_per_group, block_m)))
+    rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
+    n_programs = cdiv(rows_per_group, rows_per_program)
+
+    if in_place and dy.dtype == x_dtype and _dense(dy_row_stride, dy_col_stride, n_rows, n_cols):
+        dx = NewBuffer("dx", dy.shape, x_dtype, alias="dy")
+        dx_strides = (dy_row_stride, dy_col_stride)
+    else:
+        dx, dx_strides = NewBuffer("dx", h.shape, x_dtype), (n_cols, 1)
+    if not separate_residual_grad:
+        dr, dr_strides = NewBuffer("dresidual", (1,), residual_dtype), (0, 0)
+    elif (in_place and dh is not None and dh.dtype == residual_dtype
+          and _dense(dh_row_stride, dh_col_stride, n_rows, n_cols)):
+        dr, dr_strides = NewBuffer("dresidual", dh.shape, residual_dtype, alias="dh"), (dh_row_stride, dh_col_stride)
+    else:
+        dr, dr_strides = NewBuffer("dresidual", h.shape, residual_dtype), (n_cols, 1)
+    has_weight = weight is not None
+    main = Launch(
+        kernel=_fused_add_rms_norm_backward_kernel,
+        grid=(n_programs, groups),
+        args=(Buf("dy"), dy_row_stride, dy_col_stride,
+              Buf("dh" if dh is not None else "dy"), dh_row_stride, dh_col_stride,
+              Buf("h"), h_row_stride, h_col_stride,
+              Buf("weight" if has_weight else "h"), weight.strides[0] if has_weight else 0,
+              Buf("rstd"), *dx_strides, *dr_strides,
+              rows_per_group, n_cols, float(offset), rows_per_program),
+        outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
+                    "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad},
+        num_warps=warps_for(block_m * block_n),
+    )
+    inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)
+    launches = [main]
+    outputs = ["dx"] + (["dresidual"] if separate_residual_grad else [])
+    if has_weight:
+        launches.append(sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype))
+        outputs.append("dw")
+    return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs))

@@ -1,0 +1,102 @@
+"""Fused linear cross-entropy: ``CE(x @ W^T + b, target)`` without the full (N, V) logits.
+
+The frontends orchestrate, with their own matmuls (cuBLAS through torch, XLA through jax), a loop over
+chunks of tokens: for each chunk, ``logits = x_chunk @ W^T + b`` (a bounded workspace of
+``chunk x V``), then the cross-entropy kernel of :mod:`liger_core.cross_entropy` on it, which writes
+d loss / d logits over the chunk's logits, then ``grad_x[chunk] = dlogits @ W``,
+``grad_W += dlogits^T @ x_chunk`` and ``grad_b += sum(dlogits)``. ``mean``'s divisors (the number, or class
+weight, of non-ignored targets) are counted over the whole batch first, so every chunk's gradient is already
+that of the full loss.
+
+This module holds what is framework-free: validation, the chunk size (a memory budget, independent of N),
+and the plans each step launches.
+"""
+
+from __future__ import annotations
+
+from . import cross_entropy as ce
+from .launch import ArrayInfo, ITEMSIZE, Plan, check_float, check_nonempty, next_power_of_2
+
+# Bytes of chunk logits (in the activations' dtype) the loop may hold at once: 256 MiB is 1024 rows of a
+# 128256-token vocabulary in bf16; torch's fp32 weight-gradient accumulation adds one weight-sized buffer.
+DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+# Chunks are rounded down to a multiple of this many rows (matmul tiles) when they hold more.
+_ROW_QUANTUM = 64
+LAYOUTS = ("vh", "hv")
+
+
+def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = None,
+               workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else as many as fit ``workspace_bytes`` of chunk logits."""
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+        return max(1, min(chunk_size, n_rows))
+    rows = max(1, int(workspace_bytes) // (vocab * ITEMSIZE[dtype]))
+    if rows >= _ROW_QUANTUM:
+        rows -= rows % _ROW_QUANTUM
+    else:
+        rows = next_power_of_2(rows + 1) // 2
+    return max(1, min(rows, n_rows))
+
+
+def accumulate_in_fp32(weight_dtype: str, flag: bool | None) -> bool:
+    """Whether grad_W is accumulated over chunks in fp32: ``flag``, by default on for bf16/fp16 weights."""
+    if flag is None:
+        return weight_dtype in ("bfloat16", "float16")
+    return bool(flag)
+
+
+def check_inputs(x: ArrayInfo, weight: ArrayInfo, target: ArrayInfo, bias: ArrayInfo | None,
+                 ce_weight: ArrayInfo | None, *, layout: str = "vh", x_name: str = "x", weight_name: str = "weight",
+                 target_name: str = "target", bias_name: str = "bias") -> int:
+    """Validate shapes and dtypes; returns the vocabulary size V. ``layout`` is weight's: "vh" (torch's
+    ``nn.Linear`` / ``nn.Embedding``, (V, H)) or "hv" (Flax ``nnx.Linear`` kernel, (H, V))."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_nonempty(x, x_name)
+    check_float(x, x_name)
+    check_float(weight, weight_name)
+    hidden = x.shape[-1]
+    expect = "(V, H)" if layout == "vh" else "(H, V)"
+    if weight.ndim != 2 or weight.shape[1 if layout == "vh" else 0] != hidden:
+        raise ValueError(f"{weight_name} must have shape {expect} with H={hidden} (x's last dimension), "
+                         f"got {weight.shape}")
+    vocab = weight.shape[0 if layout == "vh" else 1]
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{weight_name} must have {x_name}'s dtype {x.dtype}, got {weight.dtype}")
+    if bias is not None:
+        check_float(bias, bias_name)
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(f"{bias_name} must have shape ({vocab},), got {bias.shape}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"{bias_name} must have {x_name}'s dtype {x.dtype}, got {bias.dtype}")
+    ce.check_target(target, x.shape[:-1], target_name)
+    ce.check_class_weight(ce_weight, vocab, "ce_weight")
+    return vocab
+
+
+def denominators_plan(n_rows: int, target_dtype: str, ce_weight: ArrayInfo | None, vocab: int,
+                      ignore_index: int) -> Plan:
+    """``denom`` for the whole (flattened, contiguous) target: input ``target`` (and ``weight``)."""
+    return ce.denominators_plan(ArrayInfo.contiguous((n_rows,), target_dtype), ce_weight, vocab, ignore_index)
+
+
+def chunk_plan(rows: int, vocab: int, logits_dtype: str, target_dtype: str, ce_weight: ArrayInfo | None, *,
+               ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float,
+               softcap: float | None, return_z_loss: bool, compute_grad: bool,
+               grad_scale_dtype: str | None = None) -> Plan:
+    """The cross-entropy step of one chunk of contiguous (rows, V) logits; see
+    :func:`liger_core.cross_entropy.chunk_plan` (inputs ``logits``, ``target``, [``weight``], [``denom``],
+    [``grad_scale``]; outputs fp32 ``loss_rows``, [``z_rows``], [``grad`` over the logits])."""
+    grad_scale = None if grad_scale_dtype is None else ArrayInfo.contiguous((rows,), grad_scale_dtype)
+    return ce.chunk_plan(
+        ArrayInfo.contiguous((rows, vocab), logits_dtype), ArrayInfo.contiguous((rows,), target_dtype), ce_weight,
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+        compute_grad=compute_grad, grad_scale=grad_scale)
+
+
+def loss_plan(n_rows: int, dtype: str) -> Plan:
+    """Sum of the fp32 per-row losses ``rows`` into ``total`` (shape (), ``dtype``), in a fixed order."""
+    return ce.sum_rows_plan(n_rows, dtype)

@@ -1,0 +1,214 @@
+"""LayerNorm: y = (x - mean) * rstd * w + b, rstd = 1 / sqrt(var + eps), over the last axis.
+
+Numerics (those of ``torch.nn.LayerNorm`` and ``flax.nnx.LayerNorm``): the statistics and the affine map are
+computed in fp32 and the output is rounded once, to the output dtype. The variance is the two-pass
+``mean((x - mean)^2)`` of the row held in registers (never negative, no cancellation).
+
+Forward saves mean and rstd (fp32, one per row). Backward: one pass per row block gives dx (optionally written
+over dy) and per-program fp32 partial sums of dw and db, each reduced in a fixed order by
+:mod:`liger_core.reduce` (no atomics: bitwise deterministic). Weight and bias are both optional.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import (
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, promote, warps_for,
+)
+from .reduce import sum_partials_launch
+from .rms_norm import _BACKWARD_PROGRAMS_PER_SM, _rows, _tile
+
+
+@triton.jit
+def _layer_norm_forward_kernel(
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    B, b_stride,
+    n_rows, n_cols, eps,
+    Y, MEAN, RSTD,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    xf = x.to(tl.float32)  # all arithmetic in fp32 (the interpreter cannot do bf16 arithmetic)
+    mean = tl.sum(xf, axis=1) / n_cols
+    centered = tl.where(mask, xf - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / n_cols
+    rstd = tl.rsqrt(var + eps)
+    tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_backward_kernel(
+    DY, dy_row_stride, dy_col_stride,
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    MEAN, RSTD,
+    dx_row_stride, dx_col_stride,
+    rows_per_group, n_cols, rows_per_program,
+    DX, DW_PARTIAL, DB_PARTIAL,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    program = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)
+    n_programs = tl.num_programs(0)
+    first_row = group * rows_per_group
+    row_begin = program * rows_per_program
+    row_end = tl.minimum(row_begin + rows_per_program, rows_per_group)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, rows_per_program, BLOCK_M):
+        local = row_begin + start + tl.arange(0, BLOCK_M)
+        rows = first_row + local.to(tl.int64)
+        row_mask = local < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        dy = dy.to(tl.float32)
+        xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+            dxhat = dy * w[None, :]
+        else:
+            dxhat = dy
+        if HAS_BIAS:
+            db_acc += dy
+        mean_dxhat = tl.sum(dxhat, axis=1) / n_cols
+        mean_dot = tl.sum(dxhat * xhat, axis=1) / n_cols
+        dx = (dxhat - mean_dxhat[:, None] - xhat * mean_dot[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :] * dx_col_stride,
+                 dx.to(DX.dtype.element_ty), mask=mask)
+    slot = group * n_programs + program
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + slot * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + slot * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch logic
+
+
+def _check_param(param: ArrayInfo | None, name: str, n_cols: int) -> None:
+    if param is None:
+        return
+    check_float(param, name)
+    if param.shape != (n_cols,):
+        raise ValueError(f"{name} must have shape ({n_cols},) to match x's last dimension, got {param.shape}")
+
+
+def _check_inputs(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, weight_name: str,
+                  bias_name: str) -> None:
+    check_nonempty(x, "x")
+    check_float(x, "x")
+    _check_param(weight, weight_name, x.shape[-1])
+    _check_param(bias, bias_name, x.shape[-1])
+
+
+def promoted_dtype(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None) -> str:
+    """The promotion of the dtypes of x and the parameters (flax's output dtype; torch keeps x's dtype)."""
+    return promote(*(a.dtype for a in (x, weight, bias) if a is not None))
+
+
+def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *, eps: float,
+                 out_dtype: str | None = None, weight_name: str = "weight", bias_name: str = "bias") -> Plan:
+    """Plan for ``y, mean, rstd = layer_norm(x, weight, bias)``; inputs ``x`` (``weight``, ``bias`` when given).
+
+    ``out_dtype`` is y's dtype (default: x's, as in torch). ``weight_name`` / ``bias_name`` name the parameters
+    as the caller's API does, for error messages."""
+    _check_inputs(x, weight, bias, weight_name, bias_name)
+    y_dtype = x.dtype if out_dtype is None else out_dtype
+    check_float(ArrayInfo((), (), y_dtype), "out_dtype")
+    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
+    block_m, block_n = _tile(n_cols, n_rows)
+    has_weight, has_bias = weight is not None, bias is not None
+    launch = Launch(
+        kernel=_layer_norm_forward_kernel,
+        grid=(cdiv(n_rows, block_m),),
+        args=(Buf("x"), x_row_stride, x_col_stride,
+              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
+              Buf("bias" if has_bias else "x"), bias.strides[0] if has_bias else 0,
+              n_rows, n_cols, float(eps)),
+        outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
+                 NewBuffer("rstd", x.shape[:-1], "float32")),
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},
+        num_warps=warps_for(block_m * block_n),
+    )
+    inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
+    return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
+
+
+def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *,
+                  num_sms: int, in_place: bool = True, groups: int = 1) -> Plan:
+    """Plan for ``dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)``.
+
+    Inputs ``dy``, ``x``, ``mean``, ``rstd`` (and ``weight`` when given; the bias itself is not read, only its
+    dtype); outputs ``dx``, then ``dw`` with a weight and ``db`` with a bias. With ``in_place`` and dy of x's
+    dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal blocks (a folded vmap batch)
+    and dw / db have shape (groups, n_cols): one parameter gradient per block.
+    """
+    _check_inputs(x, weight, bias, "weight", "bias")
+    if tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"grad_output must have the shape of x {x.shape}, got {dy.shape}")
+    check_float(dy, "grad_output")
+    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
+    _, _, dy_row_stride, dy_col_stride = _rows(dy, "grad_output")
+    if n_rows % groups:
+        raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
+    rows_per_group = n_rows // groups
+    block_m, block_n = _tile(n_cols, rows_per_group)
+    n_programs = max(1, min(num_sms * _BACKWARD_PROGRAMS_PER_SM, cdiv(rows_per_group, block_m)))
+    rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
+    n_programs = cdiv(rows_per_group, rows_per_program)
+
+    # Writing dx over dy is safe only when dy's rows do not overlap (an expanded, stride-0 gradient does).
+    dy_dense = dy_col_stride == 1 and (n_rows == 1 or dy_row_stride >= n_cols)
+    if in_place and dy.dtype == x.dtype and dy_dense:
+        dx = NewBuffer("dx", dy.shape, x.dtype, alias="dy")
+        dx_row_stride, dx_col_stride = dy_row_stride, dy_col_stride
+    else:
+        dx = NewBuffer("dx", x.shape, x.dtype)
+        dx_row_stride, dx_col_stride = n_cols, 1
+    has_weight, has_bias = weight is not None, bias is not None
+    partial_shape = (groups, n_programs, n_cols)
+    main = Launch(
+        kernel=_layer_norm_backward_kernel,
+        grid=(n_programs, groups),
+        args=(Buf("dy"), dy_row_stride, dy_col_stride, Buf("x"), x_row_stride, x_col_stride,
+              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
+              Buf("mean"), Buf("rstd"), dx_row_stride, dx_col_stride,
+              rows_per_group, n_cols, rows_per_program),
+        outputs=(dx, NewBuffer("dw_partial", partial_shape if has_weight else (1,), "float32"),
+                 NewBuffer("db_partial", partial_shape if has_bias else (1,), "float32")),
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},
+        num_warps=warps_for(block_m * block_n),
+    )
+    inputs = ("dy", "x") + (("weight",) if has_weight else ()) + ("mean", "rstd")
+    launches, outputs = [main], ["dx"]
+    if has_weight:
+        launches.append(sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype))
+        outputs.append("dw")
+    if has_bias:
+        launches.append(sum_partials_launch("db_partial", "db", groups, n_programs, n_cols, bias.dtype))
+        outputs.append("db")
+    return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs))

@@ -1,0 +1,263 @@
+"""Rotary position embedding (RoPE) of q and k in one launch.
+
+``out = x * cos + rot(x) * sin`` per head, with cos/sin rows shared by all heads of a token:
+
+- Hugging Face ("rotate_half") convention: ``rot(x) = cat(-x[D/2:], x[:D/2])``, pairs (j, j + D/2);
+- interleaved (GPT-J, "rotate_every_two"): ``rot(x)[2j] = -x[2j+1]``, ``rot(x)[2j+1] = x[2j]``, pairs (2j, 2j+1).
+
+cos and sin have shape (T, D) or (1 or B, T, D); with ``position_ids`` ((T,) or (1 or B, T), integer) token
+(b, t) uses row ``position_ids[b, t]`` of cos/sin, whose length is then the table size. q and k are 4-d with any
+head counts (GQA/MQA: H_q and H_kv are independent), in the layout (B, H, T, D) (``head_axis=1``, HF) or
+(B, T, H, D) (``head_axis=2``, Flax); the kernel takes every axis stride, so no layout is copied.
+
+The backward is the transpose of the same map (the inverse rotation, sin -> -sin, for HF's cos/sin whose two
+halves are equal): ``dx1 = c1 dy1 + s2 dy2``, ``dx2 = c2 dy2 - s1 dy1``, run by the same kernel. No gradient is
+produced for cos/sin. Products and sums are rounded where HF's eager formula (and its autograd) rounds, so the
+results match HF bitwise in every dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import (
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_float, check_nonempty, contiguous_strides, next_power_of_2,
+    promote, warps_for,
+)
+from .rms_norm import _round
+
+INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+# q/k elements one program rotates per loop step (one token, a block of heads).
+_TILE_ELEMENTS = 4096
+
+
+@triton.jit
+def _rotate_heads(X, x_sh, x_sd, O, o_sh, o_sd, n_heads, half, c1, c2, s1, s2,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  BACKWARD: tl.constexpr):
+    """Rotate all ``n_heads`` heads of one token: X and O point at the token's first element."""
+    o_dtype = O.dtype.element_ty
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        d_mask = d < 2 * half
+    else:
+        j = tl.arange(0, BLOCK_HALF)
+        j_mask = j < half
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        h_mask = heads < n_heads
+        if INTERLEAVED:
+            mask = h_mask[:, None] & d_mask[None, :]
+            x = tl.load(X + heads[:, None] * x_sh + d[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
+        else:
+            mask = h_mask[:, None] & j_mask[None, :]
+            ptr = X + heads[:, None] * x_sh + j[None, :] * x_sd
+            x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(ptr + half * x_sd, mask=mask, other=0.0).to(tl.float32)
+        # Each product is rounded to the output dtype, then the sum: what HF's eager formula (forward) and its
+        # autograd (backward: grad * cos and the rotated grad * sin, accumulated) compute in half precision.
+        if BACKWARD:
+            o1 = _round(x1 * c1[None, :], o_dtype) + _round(x2 * s2[None, :], o_dtype)
+            o2 = _round(x2 * c2[None, :], o_dtype) - _round(x1 * s1[None, :], o_dtype)
+        else:
+            o1 = _round(x1 * c1[None, :], o_dtype) - _round(x2 * s1[None, :], o_dtype)
+            o2 = _round(x2 * c2[None, :], o_dtype) + _round(x1 * s2[None, :], o_dtype)
+        if INTERLEAVED:
+            o = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * BLOCK_HALF))
+            tl.store(O + heads[:, None] * o_sh + d[None, :] * o_sd, o.to(o_dtype), mask=mask)
+        else:
+            optr = O + heads[:, None] * o_sh + j[None, :] * o_sd
+            tl.store(optr, o1.to(o_dtype), mask=mask)
+            tl.store(optr + half * o_sd, o2.to(o_dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, q_sb, q_st, q_sh, q_sd,
+    K, k_sb, k_st, k_sh, k_sd,
+    COS, cos_sb, cos_st, cos_sd,
+    SIN, sin_sb, sin_st, sin_sd,
+    POS, pos_sb, pos_st,
+    qo_sb, qo_st, qo_sh, qo_sd,
+    ko_sb, ko_st, ko_sh, ko_sd,
+    n_tokens, n_heads_q, n_heads_k, half,
+    QO, KO,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_POS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    b = token // n_tokens
+    t = token % n_tokens
+    row = t
+    if HAS_POS:
+        row = tl.load(POS + b * pos_sb + t * pos_st).to(tl.int64)
+    cos_row = COS + b * cos_sb + row * cos_st
+    sin_row = SIN + b * sin_sb + row * sin_st
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        d_mask = d < 2 * half
+        c = tl.load(cos_row + d * cos_sd, mask=d_mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + d * sin_sd, mask=d_mask, other=0.0).to(tl.float32)
+        c1, c2 = tl.split(tl.reshape(c, (BLOCK_HALF, 2)))
+        s1, s2 = tl.split(tl.reshape(s, (BLOCK_HALF, 2)))
+    else:
+        j = tl.arange(0, BLOCK_HALF)
+        j_mask = j < half
+        c1 = tl.load(cos_row + j * cos_sd, mask=j_mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_row + (j + half) * cos_sd, mask=j_mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_row + j * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_row + (j + half) * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
+    _rotate_heads(Q + b * q_sb + t * q_st, q_sh, q_sd, QO + b * qo_sb + t * qo_st, qo_sh, qo_sd,
+                  n_heads_q, half, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF, INTERLEAVED, BACKWARD)
+    _rotate_heads(K + b * k_sb + t * k_st, k_sh, k_sd, KO + b * ko_sb + t * ko_st, ko_sh, ko_sd,
+                  n_heads_k, half, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF, INTERLEAVED, BACKWARD)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch logic
+
+
+def non_overlapping(info: ArrayInfo) -> bool:
+    """True when no two elements of the array share memory (so it can be written in place)."""
+    dims = sorted((s, d) for d, s in zip(info.shape, info.strides) if d != 1)
+    extent = 1
+    for stride, dim in dims:
+        if stride < extent:
+            return False
+        extent = stride * dim
+    return True
+
+
+def _axes(head_axis: int) -> tuple[int, int, int, int]:
+    """Positions of the (batch, seq, head, dim) axes in a q/k of the given layout."""
+    return (0, 3 - head_axis, head_axis, 3)
+
+
+def _bthd(values, head_axis: int) -> tuple[int, int, int, int]:
+    return tuple(values[a] for a in _axes(head_axis))
+
+
+def _check(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_ids: ArrayInfo | None,
+           head_axis: int, q_name: str, k_name: str) -> tuple[int, int, int, int, int]:
+    """Validate the arguments; returns (B, T, H_q, H_k, D)."""
+    if head_axis not in (1, 2):
+        raise ValueError(f"head_axis must be 1 ((B, H, T, D)) or 2 ((B, T, H, D)), got {head_axis!r}")
+    layout = "(batch, heads, seq, head_dim)" if head_axis == 1 else "(batch, seq, heads, head_dim)"
+    for info, name in ((q, q_name), (k, k_name)):
+        if info.ndim != 4:
+            raise ValueError(f"{name} must be 4-d {layout}, got shape {info.shape}")
+        check_nonempty(info, name)
+        check_float(info, name)
+    B, T, Hq, D = _bthd(q.shape, head_axis)
+    kB, kT, Hk, kD = _bthd(k.shape, head_axis)
+    for what, a, b in (("batch size", B, kB), ("sequence length", T, kT), ("head_dim", D, kD)):
+        if a != b:
+            raise ValueError(f"{k_name} must have {q_name}'s {what} {a}, got {b} ({k_name} shape {k.shape}, "
+                             f"{q_name} shape {q.shape}, layout {layout})")
+    if D % 2:
+        raise ValueError(f"{q_name}'s head_dim (last dimension) must be even for RoPE, got {D}")
+    for info, name in ((cos, "cos"), (sin, "sin")):
+        if info.ndim not in (2, 3):
+            raise ValueError(f"{name} must have shape (seq, head_dim) or (batch or 1, seq, head_dim), "
+                             f"got {info.shape}")
+        check_nonempty(info, name)
+        check_float(info, name)
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin must have the shape of cos {cos.shape}, got {sin.shape}")
+    if sin.dtype != cos.dtype:
+        raise TypeError(f"sin must have cos's dtype {cos.dtype}, got {sin.dtype}")
+    if cos.shape[-1] != D:
+        raise ValueError(f"cos must have {q_name}'s head_dim {D} as its last dimension, got shape {cos.shape}")
+    if cos.ndim == 3 and cos.shape[0] not in (1, B):
+        raise ValueError(f"cos's batch dimension must be 1 or {q_name}'s batch size {B}, got shape {cos.shape}")
+    if position_ids is None:
+        if cos.shape[-2] != T:
+            raise ValueError(f"cos has {cos.shape[-2]} positions but {q_name} has {T} tokens (sequence length); "
+                             "slice cos/sin to the sequence or pass position_ids")
+    else:
+        if position_ids.dtype not in INT_DTYPES:
+            raise TypeError(f"position_ids must have an integer dtype, got {position_ids.dtype}")
+        if position_ids.ndim not in (1, 2) or position_ids.shape[-1] != T or (
+                position_ids.ndim == 2 and position_ids.shape[0] not in (1, B)):
+            raise ValueError(f"position_ids must have shape ({T},) or (1 or {B}, {T}) to match {q_name}, "
+                             f"got {position_ids.shape}")
+    return B, T, Hq, Hk, D
+
+
+def _table_strides(info: ArrayInfo) -> tuple[int, int, int]:
+    """(batch, seq, dim) strides of cos/sin; batch stride 0 when shared by the whole batch."""
+    if info.ndim == 2:
+        return 0, info.strides[0], info.strides[1]
+    return (info.strides[0] if info.shape[0] != 1 else 0), info.strides[1], info.strides[2]
+
+
+def _tile(n_heads: int, half: int) -> int:
+    return max(1, min(next_power_of_2(n_heads), _TILE_ELEMENTS // (2 * next_power_of_2(half))))
+
+
+def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_ids: ArrayInfo | None, *,
+          head_axis: int, interleaved: bool, backward: bool, q_out_dtype: str, k_out_dtype: str,
+          in_place: bool, q_name: str, k_name: str) -> Plan:
+    B, T, Hq, Hk, D = _check(q, k, cos, sin, position_ids, head_axis, q_name, k_name)
+    half = D // 2
+    outputs, out_strides = [], []
+    for src, name, dtype in ((q, "q", q_out_dtype), (k, "k", k_out_dtype)):
+        if in_place and src.dtype == dtype and non_overlapping(src):
+            outputs.append(NewBuffer(f"{name}_out", src.shape, dtype, alias=name))
+            out_strides.append(src.strides)
+        else:
+            outputs.append(NewBuffer(f"{name}_out", src.shape, dtype))
+            out_strides.append(contiguous_strides(src.shape))
+    has_pos = position_ids is not None
+    if has_pos:
+        pos_sb = position_ids.strides[0] if position_ids.ndim == 2 and position_ids.shape[0] != 1 else 0
+        pos_args = (Buf("position_ids"), pos_sb, position_ids.strides[-1])
+    else:
+        pos_args = (Buf("cos"), 0, 0)
+    block_hq, block_hk = _tile(Hq, half), _tile(Hk, half)
+    block_half = next_power_of_2(half)
+    launch = Launch(
+        kernel=_rope_kernel,
+        grid=(B * T,),
+        args=(Buf("q"), *_bthd(q.strides, head_axis), Buf("k"), *_bthd(k.strides, head_axis),
+              Buf("cos"), *_table_strides(cos), Buf("sin"), *_table_strides(sin), *pos_args,
+              *_bthd(out_strides[0], head_axis), *_bthd(out_strides[1], head_axis),
+              T, Hq, Hk, half),
+        outputs=tuple(outputs),
+        constexprs={"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half,
+                    "INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_POS": has_pos},
+        num_warps=warps_for(2 * block_half * max(block_hq, block_hk), max_warps=8),
+    )
+    inputs = ("q", "k", "cos", "sin") + (("position_ids",) if has_pos else ())
+    return Plan(inputs=inputs, launches=(launch,), outputs=("q_out", "k_out"))
+
+
+def output_dtype(x_dtype: str, cos_dtype: str) -> str:
+    """HF's ``q * cos + rotate_half(q) * sin`` promotes q's dtype with cos's."""
+    return promote(x_dtype, cos_dtype)
+
+
+def forward_plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_ids: ArrayInfo | None = None,
+                 *, head_axis: int, interleaved: bool = False, in_place: bool = False) -> Plan:
+    """Plan for ``q_out, k_out = rope(q, k, cos, sin, position_ids)``.
+
+    Inputs ``q``, ``k``, ``cos``, ``sin`` (and ``position_ids``); outputs ``q_out``, ``k_out`` of dtype
+    promote(q/k, cos). With ``in_place`` an output of its input's dtype is written over that input."""
+    _check(q, k, cos, sin, position_ids, head_axis, "q", "k")
+    return _plan(q, k, cos, sin, position_ids, head_axis=head_axis, interleaved=interleaved, backward=False,
+                 q_out_dtype=output_dtype(q.dtype, cos.dtype), k_out_dtype=output_dtype(k.dtype, cos.dtype),
+                 in_place=in_place, q_name="q", k_name="k")
+
+
+def backward_plan(dq: ArrayInfo, dk: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo,
+                  position_ids: ArrayInfo | None = None, *, head_axis: int, q_dtype: str, k_dtype: str,
+                  interleaved: bool = False, in_place: bool = True) -> Plan:
+    """Plan for the input gradients from the output gradients: inputs ``q`` (= dq_embed), ``k`` (= dk_embed),
+    ``cos``, ``sin`` (and ``position_ids``); outputs ``q_out`` (dq, of ``q_dtype``) and ``k_out`` (dk).
+
+    With ``in_place`` a gradient is written over the incoming one when that has the gradient's dtype and no
+    overlapping elements (an expanded, stride-0 gradient has)."""
+    return _plan(dq, dk, cos, sin, position_ids, head_axis=head_axis, interleaved=interleaved, backward=True,
+                 q_out_dtype=q_dtype, k_out_dtype=k_dtype, in_place=in_place, q_name="grad_q", k_name="grad_k")
