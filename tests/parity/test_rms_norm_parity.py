@@ -1,7 +1,7 @@
 """The same numpy inputs through liger_torch and liger_jax: identical outputs and gradients.
 
-Both frontends launch the same kernel with the same grid, so on the same backend the results are bitwise
-equal; that is what is asserted (no tolerance)."""
+Both frontends launch the same kernel with the same grid: bitwise equal in the interpreter, within 2 ulp on
+the GPU (see helpers.assert_parity for why)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import torch
 
 import liger_jax
 import liger_torch
+from helpers import assert_parity
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,11 +21,6 @@ def to_torch(array, device):
     if array.dtype == jnp.bfloat16:
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).to(device)
     return torch.from_numpy(array.copy()).to(device)
-
-
-def as_numpy(t):
-    t = t.detach().cpu()
-    return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200)])
@@ -47,4 +43,4 @@ def test_rms_norm_parity(shape, mode, offset, dtype, device, seed):
     yj, vjp = jax.vjp(jax.jit(f), jnp.asarray(x), jnp.asarray(w))
     dxj, dwj = vjp(jnp.asarray(g))
     for name, a, b in (("y", yt, yj), ("dx", xt.grad, dxj), ("dw", wt.grad, dwj)):
-        np.testing.assert_array_equal(as_numpy(a), np.asarray(b), err_msg=name)
+        assert_parity(a, b, name)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs everything the CPU test suite and the demo need, into the current python3 (idempotent).
+# torch is pinned to the CPU build on disk (an unpinned torch pulls a multi-GB CUDA build); triton to the GPU
+# image's 3.6.0; numpy below 2.4, whose stricter array-to-int conversion breaks Triton 3.6's interpreter
+# (loops with runtime bounds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! $PY -c "import torch, triton, jax, flax, jax_triton, pytest, xdist, transformers, liger_torch" >/dev/null 2>&1; then
+  $PY -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0" "numpy<2.4" \
+    "jax==0.10.2" "jaxlib==0.10.2" "jax-triton==0.3.1" "flax>=0.12,<0.13" 2>&1 | grep -v -E "^WARNING: (Running pip|Location)" || true
+  $PY -m pip install -q --disable-pip-version-check -e ".[dev]" "torch==2.13.0" "numpy<2.4" 2>&1 \
+    | grep -v -E "^WARNING: (Running pip|Location)" || true
+fi
+$PY -c "import torch, triton, jax, flax, liger_torch, liger_jax; print('torch', torch.__version__, '| triton', triton.__version__, '| jax', jax.__version__, '| flax', flax.__version__)" 2>&1 | grep -v Warning
