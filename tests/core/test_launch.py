@@ -1,0 +1,68 @@
+"""liger_core's plain-Python launch logic: row folding by strides, promotion, plan validation, mode flag."""
+
+import pytest
+
+import liger_core
+from liger_core import runtime
+from liger_core.launch import ArrayInfo, Buf, Launch, NewBuffer, Plan, collapse_rows, contiguous_strides, promote
+
+
+@pytest.mark.parametrize("shape,strides,expected", [
+    ((7, 123), (123, 1), (7, 123, 123, 1)),
+    ((2, 3, 5), (15, 5, 1), (6, 5, 5, 1)),
+    ((7, 123), (200, 1), (7, 123, 200, 1)),           # rows of a wider buffer
+    ((3, 1, 4, 8), (32, 99, 8, 1), (12, 8, 8, 1)),    # size-1 axes never matter
+    ((5,), (1,), (1, 5, 5, 1)),
+    ((4, 6), (0, 0), (4, 6, 0, 0)),                   # expanded: folds, but rows overlap
+])
+def test_collapse_rows(shape, strides, expected):
+    assert collapse_rows(ArrayInfo(shape, strides, "float32")) == expected
+
+
+def test_collapse_rows_refuses_axes_that_do_not_fold():
+    assert collapse_rows(ArrayInfo((3, 5, 8), (8, 24, 1), "float32")) is None  # transposed leading axes
+
+
+def test_contiguous_strides():
+    assert contiguous_strides((2, 3, 4)) == (12, 4, 1)
+    assert contiguous_strides(()) == ()
+
+
+def test_promote_follows_torch_and_jax():
+    assert promote("bfloat16", "bfloat16") == "bfloat16"
+    assert promote("bfloat16", "float32") == "float32"
+    assert promote("bfloat16", "float16") == "float32"
+    assert promote("float16", "float64") == "float64"
+
+
+def test_plan_rejects_reading_a_buffer_before_it_exists():
+    launch = Launch(kernel="k", grid=(1,), args=(Buf("missing"),), outputs=(NewBuffer("y", (1,), "float32"),))
+    with pytest.raises(AssertionError, match="before it exists"):
+        Plan(inputs=("x",), launches=(launch,), outputs=("y",))
+
+
+def test_plan_rejects_an_alias_the_launch_does_not_take():
+    launch = Launch(kernel="k", grid=(1,), args=(Buf("x"),), outputs=(NewBuffer("y", (1,), "float32", alias="z"),))
+    with pytest.raises(AssertionError, match="aliases"):
+        Plan(inputs=("x", "z"), launches=(launch,), outputs=("y",))
+
+
+def test_plan_rejects_outputs_never_written():
+    launch = Launch(kernel="k", grid=(1,), args=(Buf("x"), 3, 1.5), outputs=(NewBuffer("y", (1,), "float32"),))
+    with pytest.raises(AssertionError, match="never written"):
+        Plan(inputs=("x",), launches=(launch,), outputs=("z",))
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("0", False), ("off", False),
+                                            ("", None), ("auto", None)])
+def test_mode_flag(value, expected):
+    assert runtime._parse_flag(value) is expected
+
+
+def test_mode_flag_rejects_garbage():
+    with pytest.raises(ValueError, match="LIGER_INTERPRET"):
+        runtime._parse_flag("maybe")
+
+
+def test_mode_is_decided_once():
+    assert runtime.interpreting() is liger_core.INTERPRET
