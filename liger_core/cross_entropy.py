@@ -346,9 +346,11 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         grid=(n_rows,),
         args=(Buf("logits"), row_stride, col_stride,
               Buf("target"), target_stride(target),
-              Buf("weight" if has_weight else "logits"), weight.strides[0] if has_weight else 0,
+              # unused pointers point at the targets, never at the logits: an array passed twice to a launch
+              # that writes over it would make XLA copy it
+              Buf("weight" if has_weight else "target"), weight.strides[0] if has_weight else 0,
               Buf("denom" if mean else "target"),
-              Buf("grad_scale" if grad_scale is not None else "logits"), g_stride if grad_scale is not None else 0,
+              Buf("grad_scale" if grad_scale is not None else "target"), g_stride if grad_scale is not None else 0,
               grad_row_stride, grad_col_stride,
               n_cols, int(ignore_index), float(label_smoothing), float(lse_square_scale),
               float(softcap) if softcap is not None else 1.0),

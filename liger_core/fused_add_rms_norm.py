@@ -11,14 +11,30 @@ partial sums reduced in a fixed order by :mod:`liger_core.reduce` (bitwise deter
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
-from .launch import ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_same_shape, promote, warps_for
-from .reduce import sum_partials_launch
-from .rms_norm import (
-    _BACKWARD_PROGRAMS_PER_SM, CASTING_MODES, _check_inputs, _round, _rows, _tile, output_dtype,
+from .launch import (
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_same_shape, next_power_of_2, promote,
+    warps_for,
 )
+from .reduce import sum_partials_launch
+from .rms_norm import CASTING_MODES, _check_inputs, _rows, output_dtype
+from .tl_math import round_to
+
+# Launch configuration (not yet swept on the H200; the plans take overrides for tuning). Forward as RMSNorm's
+# tuned forward: ~4k elements of x per program. Backward: persistent, a few programs per SM; the tile is half of
+# RMSNorm's because each row block holds three input tiles (dy, dh, h) next to the fp32 dw accumulator.
+_FORWARD_TILE = 4096
+_BACKWARD_TILE = 8192
+_BACKWARD_PROGRAMS_PER_SM = 2
+
+
+def _tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
+    block_n = next_power_of_2(n_cols)
+    return max(1, min(16, elements // block_n, next_power_of_2(n_rows))), block_n
 
 
 @triton.jit
@@ -39,7 +55,7 @@ def _fused_add_rms_norm_forward_kernel(
     r = tl.load(R + rows[:, None] * r_row_stride + cols[None, :] * r_col_stride, mask=mask, other=0.0)
     h_dtype = H.dtype.element_ty
     # The fp32 sum of two half-precision values rounded once to h's dtype is the half-precision sum.
-    hf = _round(x.to(tl.float32) + r.to(tl.float32), h_dtype)
+    hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)
     tl.store(H + rows[:, None] * n_cols + cols[None, :], hf.to(h_dtype), mask=mask)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -53,13 +69,13 @@ def _fused_add_rms_norm_forward_kernel(
         if HAS_WEIGHT:
             y = y * scale[None, :]
     elif CASTING == 0:  # llama: normalise in fp32, round to h's dtype, scale in the output dtype
-        y = _round(hf * rstd[:, None], h_dtype)
+        y = round_to(hf * rstd[:, None], h_dtype)
         if HAS_WEIGHT:
-            y = y * _round(scale, y_dtype)[None, :]
+            y = y * round_to(scale, y_dtype)[None, :]
     else:  # none: the statistic in fp32, the rest in h's dtype
-        y = _round(hf * _round(rstd, h_dtype)[:, None], h_dtype)
+        y = round_to(hf * round_to(rstd, h_dtype)[:, None], h_dtype)
         if HAS_WEIGHT:
-            y = y * _round(scale, h_dtype)[None, :]
+            y = y * round_to(scale, h_dtype)[None, :]
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(y_dtype), mask=mask)
 
 
@@ -100,7 +116,7 @@ def _fused_add_rms_norm_backward_kernel(
         normed = h.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
             if CASTING == 0:  # llama multiplies w by the normalised h already rounded to h's dtype
-                dw_acc += dy * _round(normed, h.dtype)
+                dw_acc += dy * round_to(normed, h.dtype)
             else:
                 dw_acc += dy * normed
             dnormed = dy * w[None, :]
@@ -133,8 +149,10 @@ def _check_pair(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, cas
     check_same_shape(x, "x", residual, "residual")
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *, eps: float,
-                 offset: float = 0.0, casting_mode: str = "llama", weight_name: str = "weight") -> Plan:
+                 offset: float = 0.0, casting_mode: str = "llama", weight_name: str = "weight",
+                 block_m: int | None = None, num_warps: int | None = None) -> Plan:
     """Plan for ``y, h, rstd = fused_add_rms_norm(x, residual, weight)``.
 
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
@@ -142,7 +160,8 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
     _check_pair(x, residual, weight, casting_mode, weight_name)
     n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
     _, _, r_row_stride, r_col_stride = _rows(residual, "residual")
-    block_m, block_n = _tile(n_cols, n_rows)
+    block_m_default, block_n = _tile(n_cols, n_rows, _FORWARD_TILE)
+    block_m = block_m or block_m_default
     has_weight = weight is not None
     h_dtype = promote(x.dtype, residual.dtype)
     y_dtype = output_dtype(h_dtype, weight.dtype if has_weight else None, casting_mode)
@@ -156,7 +175,7 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
                  NewBuffer("rstd", x.shape[:-1], "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight},
-        num_warps=warps_for(block_m * block_n),
+        num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
     )
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
@@ -167,17 +186,20 @@ def _dense(row_stride: int, col_stride: int, n_rows: int, n_cols: int) -> bool:
     return col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
 
 
+@functools.lru_cache(maxsize=1024)
 def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: ArrayInfo | None, *,
                   x_dtype: str, residual_dtype: str, offset: float = 0.0, casting_mode: str = "llama",
                   num_sms: int, in_place: bool = True, separate_residual_grad: bool = True,
-                  groups: int = 1) -> Plan:
+                  groups: int = 1, programs_per_sm: int | None = None, block_m: int | None = None,
+                  num_warps: int | None = None) -> Plan:
     """Plan for ``dx, dresidual, dw = fused_add_rms_norm_backward(dy, dh, h, weight, rstd)``.
 
     Inputs ``dy`` (gradient of y), ``dh`` (gradient of the returned h; None when it has none), ``h``, ``rstd``
     (and ``weight``). Outputs ``dx`` (x's dtype), then ``dresidual`` (residual's dtype) when
     ``separate_residual_grad`` (else dresidual is dx: a caller may only skip it when the dtypes agree), then
     ``dw`` with a weight. With ``in_place``, dx is written over dy and dresidual over dh where the dtypes agree
-    and the gradient is dense. ``groups`` as in :func:`liger_core.rms_norm.backward_plan`.
+    and the gradient is dense. ``groups`` as in :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``,
+    ``block_m`` and ``num_warps`` override the launch configuration (for tuning).
     """
     _check_inputs(h, weight, casting_mode)
     if tuple(dy.shape) != tuple(h.shape):
@@ -195,8 +217,10 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     if n_rows % groups:
         raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
     rows_per_group = n_rows // groups
-    block_m, block_n = _tile(n_cols, rows_per_group)
-    n_programs = max(1, min(num_sms * _BACKWARD_PROGRAMS_PER_SM, cdiv(rows_per_group, block_m)))
+    block_m_default, block_n = _tile(n_cols, rows_per_group, _BACKWARD_TILE)
+    block_m = block_m or block_m_default
+    per_sm = programs_per_sm or _BACKWARD_PROGRAMS_PER_SM
+    n_programs = max(1, min(num_sms * per_sm, cdiv(rows_per_group, block_m)))
     rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
     n_programs = cdiv(rows_per_group, rows_per_program)
 
@@ -225,7 +249,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
         outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad},
-        num_warps=warps_for(block_m * block_n),
+        num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)
     launches = [main]

@@ -144,6 +144,17 @@ def collapse_rows(info: ArrayInfo) -> tuple[int, int, int, int] | None:
     return n_rows, n_cols, lead[-1][1], col_stride
 
 
+def non_overlapping(info: ArrayInfo) -> bool:
+    """True when no two elements of the array share memory (so it can be written in place)."""
+    dims = sorted((s, d) for d, s in zip(info.shape, info.strides) if d != 1)
+    extent = 1
+    for stride, dim in dims:
+        if stride < extent:
+            return False
+        extent = stride * dim
+    return True
+
+
 def promote(*dtypes: str) -> str:
     """Float type promotion, as torch and jax do it."""
     best = max(dtypes, key=lambda d: _FLOAT_RANK[d])

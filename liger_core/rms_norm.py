@@ -24,6 +24,7 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
+from .tl_math import cast, round_to
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 _LLAMA, _GEMMA, _NONE = 0, 1, 2
@@ -33,12 +34,6 @@ _LLAMA, _GEMMA, _NONE = 0, 1, 2
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 16384
 _BACKWARD_PROGRAMS_PER_SM = 1
-
-
-@triton.jit
-def _round(value, dtype):
-    """Round fp32 ``value`` to ``dtype`` and back: the result a ``dtype`` operation would give."""
-    return value.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -69,14 +64,14 @@ def _rms_norm_forward_kernel(
         if HAS_WEIGHT:
             y = y * scale[None, :]
     elif CASTING == 0:  # llama: normalise in fp32, round to x's dtype, scale in the output dtype
-        y = _round((xf * rstd[:, None]), x.dtype)
+        y = round_to((xf * rstd[:, None]), x.dtype)
         if HAS_WEIGHT:
-            y = y * _round(scale, y_dtype)[None, :]
+            y = y * round_to(scale, y_dtype)[None, :]
     else:  # none: the statistic in fp32, the rest in x's dtype
-        y = _round(xf * _round(rstd, x.dtype)[:, None], x.dtype)
+        y = round_to(xf * round_to(rstd, x.dtype)[:, None], x.dtype)
         if HAS_WEIGHT:
-            y = y * _round(scale, x.dtype)[None, :]
-    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(y_dtype), mask=mask)
+            y = y * round_to(scale, x.dtype)[None, :]
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
 
 
 @triton.jit
@@ -136,7 +131,7 @@ def _rms_norm_backward_kernel(
         normed = x.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
             if CASTING == 0:  # llama multiplies w by the normalised x already rounded to x's dtype
-                dw_acc += dy * _round(normed, x.dtype)
+                dw_acc += dy * round_to(normed, x.dtype)
             else:
                 dw_acc += dy * normed
             dnormed = dy * w[None, :]
@@ -145,7 +140,7 @@ def _rms_norm_backward_kernel(
         mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
         dx = (dnormed - normed * mean_dot[:, None]) * rstd[:, None]
         tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :] * dx_col_stride,
-                 dx.to(DX.dtype.element_ty), mask=mask)
+                 cast(dx, DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         slot = group * n_programs + program
         tl.store(DW_PARTIAL + slot * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)

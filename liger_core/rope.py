@@ -23,9 +23,9 @@ import triton.language as tl
 
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, check_float, check_nonempty, contiguous_strides, next_power_of_2,
-    promote, warps_for,
+    non_overlapping, promote, warps_for,
 )
-from .rms_norm import _round
+from .tl_math import round_to
 
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # q/k elements one program rotates per loop step (one token, a block of heads).
@@ -59,11 +59,11 @@ def _rotate_heads(X, x_sh, x_sd, O, o_sh, o_sd, n_heads, half, c1, c2, s1, s2,
         # Each product is rounded to the output dtype, then the sum: what HF's eager formula (forward) and its
         # autograd (backward: grad * cos and the rotated grad * sin, accumulated) compute in half precision.
         if BACKWARD:
-            o1 = _round(x1 * c1[None, :], o_dtype) + _round(x2 * s2[None, :], o_dtype)
-            o2 = _round(x2 * c2[None, :], o_dtype) - _round(x1 * s1[None, :], o_dtype)
+            o1 = round_to(x1 * c1[None, :], o_dtype) + round_to(x2 * s2[None, :], o_dtype)
+            o2 = round_to(x2 * c2[None, :], o_dtype) - round_to(x1 * s1[None, :], o_dtype)
         else:
-            o1 = _round(x1 * c1[None, :], o_dtype) - _round(x2 * s1[None, :], o_dtype)
-            o2 = _round(x2 * c2[None, :], o_dtype) + _round(x1 * s2[None, :], o_dtype)
+            o1 = round_to(x1 * c1[None, :], o_dtype) - round_to(x2 * s1[None, :], o_dtype)
+            o2 = round_to(x2 * c2[None, :], o_dtype) + round_to(x1 * s2[None, :], o_dtype)
         if INTERLEAVED:
             o = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * BLOCK_HALF))
             tl.store(O + heads[:, None] * o_sh + d[None, :] * o_sd, o.to(o_dtype), mask=mask)
@@ -117,17 +117,6 @@ def _rope_kernel(
 
 # ---------------------------------------------------------------------------------------------------------
 # Launch logic
-
-
-def non_overlapping(info: ArrayInfo) -> bool:
-    """True when no two elements of the array share memory (so it can be written in place)."""
-    dims = sorted((s, d) for d, s in zip(info.shape, info.strides) if d != 1)
-    extent = 1
-    for stride, dim in dims:
-        if stride < extent:
-            return False
-        extent = stride * dim
-    return True
 
 
 def _axes(head_axis: int) -> tuple[int, int, int, int]:

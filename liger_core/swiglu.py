@@ -18,10 +18,9 @@ import triton.language as tl
 
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
-    next_power_of_2, warps_for,
+    next_power_of_2, non_overlapping, warps_for,
 )
-from .rms_norm import _round
-from .rope import non_overlapping
+from .tl_math import round_to, tanh
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -35,18 +34,12 @@ _KAPPA = 0.044715
 
 
 @triton.jit
-def _tanh(z):
-    """tanh from exp: exact limits (+-1) for large |z|, about 1e-7 absolute error near 0."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
-
-
-@triton.jit
 def _activation(a, ACT: tl.constexpr):
     """act(a) in fp32."""
     if ACT == 0:
         return a / (1.0 + tl.exp(-a))
     elif ACT == 1:
-        return 0.5 * a * (1.0 + _tanh(_SQRT_2_OVER_PI * (a + _KAPPA * a * a * a)))
+        return 0.5 * a * (1.0 + tanh(_SQRT_2_OVER_PI * (a + _KAPPA * a * a * a)))
     else:
         return 0.5 * a * (1.0 + tl.erf(a * _SQRT_1_2))
 
@@ -58,7 +51,7 @@ def _activation_and_derivative(a, ACT: tl.constexpr):
         sig = 1.0 / (1.0 + tl.exp(-a))
         return a * sig, sig * (1.0 + a * (1.0 - sig))
     elif ACT == 1:
-        t = _tanh(_SQRT_2_OVER_PI * (a + _KAPPA * a * a * a))
+        t = tanh(_SQRT_2_OVER_PI * (a + _KAPPA * a * a * a))
         right = 1.0 + t
         d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _KAPPA * a * a)
         return 0.5 * a * right, 0.5 * right + 0.5 * a * (1.0 - t * t) * d_inner
@@ -82,7 +75,7 @@ def _gated_forward_kernel(
     a = tl.load(A + rows[:, None] * a_row_stride + cols[None, :] * a_col_stride, mask=mask, other=0.0)
     b = tl.load(B + rows[:, None] * b_row_stride + cols[None, :] * b_col_stride, mask=mask, other=0.0)
     c_dtype = C.dtype.element_ty
-    act = _round(_activation(a.to(tl.float32), ACT), c_dtype)  # act_fn(gate) in the input dtype
+    act = round_to(_activation(a.to(tl.float32), ACT), c_dtype)  # act_fn(gate) in the input dtype
     c = act * b.to(tl.float32)
     tl.store(C + rows[:, None] * n_cols + cols[None, :], c.to(c_dtype), mask=mask)
 
@@ -108,8 +101,8 @@ def _gated_backward_kernel(
     act, d_act = _activation_and_derivative(a.to(tl.float32), ACT)
     da_dtype = DA.dtype.element_ty
     db_dtype = DB.dtype.element_ty
-    db = dc * _round(act, db_dtype)  # grad of act(a) * b w.r.t. b, act(a) in the input dtype
-    da = _round(dc * b.to(tl.float32), da_dtype) * d_act  # grad w.r.t. act(a), then act's backward in fp32
+    db = dc * round_to(act, db_dtype)  # grad of act(a) * b w.r.t. b, act(a) in the input dtype
+    da = round_to(dc * b.to(tl.float32), da_dtype) * d_act  # grad w.r.t. act(a), then act's backward in fp32
     tl.store(DA + rows[:, None] * da_row_stride + cols[None, :] * da_col_stride, da.to(da_dtype), mask=mask)
     tl.store(DB + rows[:, None] * db_row_stride + cols[None, :] * db_col_stride, db.to(db_dtype), mask=mask)
 

@@ -4,6 +4,7 @@ import liger_core
 
 from .rms_norm import LigerRMSNormFunction, RMSNorm, rms_norm
 from .cross_entropy import CrossEntropyLoss, LigerCrossEntropyFunction, cross_entropy
+from .kl_div import KLDivLoss, LigerKLDivFunction, kl_div
 from .fused_linear_cross_entropy import (FusedLinearCrossEntropyLoss, LigerFusedLinearCrossEntropyFunction,
                                          fused_linear_cross_entropy)
 from .layer_norm import LayerNorm, LigerLayerNormFunction, layer_norm
@@ -15,6 +16,7 @@ INTERPRET = liger_core.INTERPRET
 
 __all__ = ["INTERPRET", "LigerRMSNormFunction", "RMSNorm", "rms_norm",
            "CrossEntropyLoss", "LigerCrossEntropyFunction", "cross_entropy",
+           "KLDivLoss", "LigerKLDivFunction", "kl_div",
            "FusedLinearCrossEntropyLoss", "LigerFusedLinearCrossEntropyFunction", "fused_linear_cross_entropy",
            "LayerNorm", "LigerLayerNormFunction", "layer_norm",
            "FusedAddRMSNorm", "LigerFusedAddRMSNormFunction", "fused_add_rms_norm",

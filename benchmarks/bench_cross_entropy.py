@@ -1,0 +1,99 @@
+"""Cross-entropy on bf16 logits, forward and forward+backward, at LLM vocabulary sizes: ours (torch, jax)
+against F.cross_entropy on fp32-upcast logits (eager and torch.compile), Liger-Kernel and optax under XLA."""
+
+from __future__ import annotations
+
+from .harness import Case, jax_runner, torch_fwd_bwd
+
+SHAPES = [(8192, 128256), (8192, 32000), (16384, 256000)]
+QUICK = [(8192, 128256)]
+
+
+def hf_cross_entropy(logits, target):
+    """What HF models do: upcast the logits to fp32, then F.cross_entropy."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float(), target, ignore_index=-100)
+
+
+def _torch_inputs(n, v, requires_grad):
+    import torch
+
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+    target = torch.randint(0, v, (n,), device="cuda")
+    target[::10] = -100
+    return logits, target
+
+
+def _torch_provider(name):
+    import torch
+
+    if name == "liger_torch":
+        import liger_torch
+
+        # in place: the gradient overwrites the logits (what a training step wants, and what Liger-Kernel does)
+        return lambda x, t: liger_torch.cross_entropy(x, t, in_place=True)
+    if name == "liger_torch_copy":
+        import liger_torch
+
+        return lambda x, t: liger_torch.cross_entropy(x, t, in_place=False)
+    if name == "torch_eager":
+        return hf_cross_entropy
+    if name == "torch_compile":
+        return torch.compile(hf_cross_entropy)
+    if name == "liger_kernel":
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        return lambda x, t: liger_cross_entropy(x, t, ignore_index=-100)
+    raise KeyError(name)
+
+
+def _make_torch(name, n, v, pass_):
+    def make():
+        import torch
+
+        fn = _torch_provider(name)
+        logits, target = _torch_inputs(n, v, pass_ != "fwd")
+        if pass_ == "fwd":
+            return lambda: fn(logits, target)
+        run = torch_fwd_bwd(lambda x: fn(x, target), (logits,), torch.tensor(1.0, device="cuda"))
+        return run
+
+    return make
+
+
+def _make_jax(name, n, v, pass_):
+    def make():
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        import liger_jax
+
+        k1, k2 = jax.random.split(jax.random.key(n + v))
+        logits = jax.random.normal(k1, (n, v), jnp.bfloat16)
+        labels = jax.random.randint(k2, (n,), 0, v)
+        if name == "liger_jax":
+            f = lambda x: liger_jax.cross_entropy(x, labels)
+        else:
+            f = lambda x: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), labels))
+        if pass_ == "fwd":
+            return jax_runner(f, logits)
+        return jax_runner(jax.grad(f), logits)
+
+    return make
+
+
+def cases(quick: bool = False) -> list[Case]:
+    out = []
+    for n, v in QUICK if quick else SHAPES:
+        for pass_ in ("fwd", "fwd+bwd"):
+            # fwd: the logits read once; fwd+bwd: read once and their gradient written once.
+            nbytes = (1 if pass_ == "fwd" else 2) * n * v * 2
+            for name in ("liger_torch", "liger_torch_copy", "torch_eager", "torch_compile", "liger_kernel"):
+                out.append(Case("cross_entropy", pass_, f"{n}x{v}", "bf16", name, "torch",
+                                _make_torch(name, n, v, pass_), bytes=nbytes))
+            for name in ("liger_jax", "xla"):
+                out.append(Case("cross_entropy", pass_, f"{n}x{v}", "bf16", name, "jax",
+                                _make_jax(name, n, v, pass_), bytes=nbytes))
+    return out

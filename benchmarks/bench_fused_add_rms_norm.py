@@ -1,0 +1,116 @@
+"""Fused residual add + RMSNorm, forward and forward+backward (gradients through both outputs), at LLM shapes:
+ours (torch, jax) against HF eager (``residual = x + residual; LlamaRMSNorm(residual)``), torch.compile,
+Liger-Kernel and XLA."""
+
+from __future__ import annotations
+
+from .harness import Case, jax_runner
+
+SHAPES = [(16384, 4096), (4096, 16384), (32768, 2048), (65536, 8192)]
+QUICK = [(16384, 4096), (4096, 16384)]
+EPS = 1e-6
+
+
+def hf_fused_add_rms_norm(x, r, w):
+    """The residual add of a transformers decoder layer followed by LlamaRMSNorm.forward."""
+    import torch
+
+    h = x + r
+    dtype = h.dtype
+    hf = h.to(torch.float32)
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * hf.to(dtype), h
+
+
+def _torch_inputs(n, h, requires_grad):
+    import torch
+
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+    r = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+    w = (torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_(requires_grad)
+    gy = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    gh = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    return x, r, w, gy, gh
+
+
+def _torch_provider(name):
+    import torch
+
+    if name == "liger_torch":
+        import liger_torch
+
+        return lambda x, r, w: liger_torch.fused_add_rms_norm(x, r, w, EPS)
+    if name == "torch_eager":
+        return hf_fused_add_rms_norm
+    if name == "torch_compile":
+        return torch.compile(hf_fused_add_rms_norm)
+    if name == "liger_kernel":
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+        return lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)
+    raise KeyError(name)
+
+
+def _torch_fwd_bwd_two_outputs(fn, inputs, grads):
+    """Runner for forward + backward of ``fn(*inputs) -> (y, h)`` against fixed gradients of y and h."""
+    import torch
+
+    def run():
+        for t in inputs:
+            t.grad = None
+        torch.autograd.backward(fn(*inputs), grads)
+
+    return run
+
+
+def _make_torch(name, n, h, pass_):
+    def make():
+        fn = _torch_provider(name)
+        x, r, w, gy, gh = _torch_inputs(n, h, pass_ != "fwd")
+        if pass_ == "fwd":
+            return lambda: fn(x, r, w)
+        return _torch_fwd_bwd_two_outputs(fn, (x, r, w), (gy, gh))
+
+    return make
+
+
+def _make_jax(name, n, h, pass_):
+    def make():
+        import jax
+        import jax.numpy as jnp
+
+        import liger_jax
+
+        k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(n + h), 5)
+        x = jax.random.normal(k1, (n, h), jnp.bfloat16)
+        r = jax.random.normal(k2, (n, h), jnp.bfloat16)
+        w = (jax.random.uniform(k3, (h,)) + 0.5).astype(jnp.bfloat16)
+        gy = jax.random.normal(k4, (n, h), jnp.bfloat16)
+        gh = jax.random.normal(k5, (n, h), jnp.bfloat16)
+        if name == "liger_jax":
+            f = lambda a, b, s: liger_jax.fused_add_rms_norm(a, b, s, epsilon=EPS)
+        else:
+            def f(a, b, s):
+                hs = a + b
+                hf = hs.astype(jnp.float32)
+                return s * (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + EPS)).astype(hs.dtype), hs
+        if pass_ == "fwd":
+            return jax_runner(f, x, r, w)
+        return jax_runner(lambda a, b, s, dy, dh: jax.vjp(f, a, b, s)[1]((dy, dh)), x, r, w, gy, gh)
+
+    return make
+
+
+def cases(quick: bool = False) -> list[Case]:
+    out = []
+    for n, h in QUICK if quick else SHAPES:
+        for pass_ in ("fwd", "fwd+bwd"):
+            passes = 4 if pass_ == "fwd" else 9  # x, residual, y, h  (+ dy, dh, h again, dx, dresidual)
+            nbytes = passes * n * h * 2
+            for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel"):
+                out.append(Case("fused_add_rms_norm", pass_, f"{n}x{h}", "bf16", name, "torch",
+                                _make_torch(name, n, h, pass_), bytes=nbytes))
+            for name in ("liger_jax", "xla"):
+                out.append(Case("fused_add_rms_norm", pass_, f"{n}x{h}", "bf16", name, "jax",
+                                _make_jax(name, n, h, pass_), bytes=nbytes))
+    return out

@@ -1,0 +1,101 @@
+"""Fused linear cross-entropy (lm_head matmul + cross-entropy without the full logits), bf16, forward and
+forward+backward: ours (torch, jax) against matmul + F.cross_entropy (eager, torch.compile), Liger-Kernel,
+cut_cross_entropy and matmul + optax under XLA. Peak extra memory is the point as much as time."""
+
+from __future__ import annotations
+
+from .harness import Case, jax_runner, torch_fwd_bwd
+
+SHAPES = [(8192, 4096, 128256), (16384, 4096, 128256), (8192, 2048, 256000)]
+QUICK = [(8192, 4096, 128256)]
+
+
+def matmul_cross_entropy(x, w, target):
+    import torch.nn.functional as F
+
+    return F.cross_entropy((x @ w.t()).float(), target, ignore_index=-100)
+
+
+def _torch_inputs(n, h, v, requires_grad):
+    import torch
+
+    x = (torch.randn(n, h, device="cuda", dtype=torch.bfloat16) * 0.5).requires_grad_(requires_grad)
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5).requires_grad_(requires_grad)
+    target = torch.randint(0, v, (n,), device="cuda")
+    target[::10] = -100
+    return x, w, target
+
+
+def _torch_provider(name):
+    import torch
+
+    if name == "liger_torch":
+        import liger_torch
+
+        return lambda x, w, t: liger_torch.fused_linear_cross_entropy(x, w, t)
+    if name == "torch_eager":
+        return matmul_cross_entropy
+    if name == "torch_compile":
+        return torch.compile(matmul_cross_entropy)
+    if name == "liger_kernel":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss()
+        return lambda x, w, t: loss(w, x, t)
+    if name == "cut_cross_entropy":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda x, w, t: linear_cross_entropy(x, w, t)
+    raise KeyError(name)
+
+
+def _make_torch(name, n, h, v, pass_):
+    def make():
+        import torch
+
+        fn = _torch_provider(name)
+        x, w, target = _torch_inputs(n, h, v, pass_ != "fwd")
+        if pass_ == "fwd":
+            return lambda: fn(x, w, target)
+        return torch_fwd_bwd(lambda a, b: fn(a, b, target), (x, w), torch.tensor(1.0, device="cuda"))
+
+    return make
+
+
+def _make_jax(name, n, h, v, pass_):
+    def make():
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        import liger_jax
+
+        k1, k2, k3 = jax.random.split(jax.random.key(n + h + v), 3)
+        x = (jax.random.normal(k1, (n, h)) * 0.5).astype(jnp.bfloat16)
+        kernel = (jax.random.normal(k2, (h, v)) * h ** -0.5).astype(jnp.bfloat16)  # Flax (H, V) layout
+        labels = jax.random.randint(k3, (n,), 0, v)
+        if name == "liger_jax":
+            f = lambda a, k: liger_jax.fused_linear_cross_entropy(a, k, labels)
+        else:
+            f = lambda a, k: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+                (a @ k).astype(jnp.float32), labels))
+        if pass_ == "fwd":
+            return jax_runner(f, x, kernel)
+        return jax_runner(jax.grad(f, argnums=(0, 1)), x, kernel)
+
+    return make
+
+
+def cases(quick: bool = False) -> list[Case]:
+    out = []
+    for n, h, v in QUICK if quick else SHAPES:
+        for pass_ in ("fwd", "fwd+bwd"):
+            # fwd: x @ W^T; fwd+bwd: that plus dx = dlogits @ W and dW = dlogits^T @ x.
+            flops = (2 if pass_ == "fwd" else 6) * n * h * v
+            for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel", "cut_cross_entropy"):
+                out.append(Case("fused_linear_cross_entropy", pass_, f"{n}x{h}x{v}", "bf16", name, "torch",
+                                _make_torch(name, n, h, v, pass_), flops=flops))
+            for name in ("liger_jax", "xla"):
+                out.append(Case("fused_linear_cross_entropy", pass_, f"{n}x{h}x{v}", "bf16", name, "jax",
+                                _make_jax(name, n, h, v, pass_), flops=flops))
+    return out

@@ -1,0 +1,98 @@
+"""LayerNorm, forward and forward+backward, at LLM shapes: ours (torch, jax) against torch eager
+(``F.layer_norm``), torch.compile, Liger-Kernel and XLA."""
+
+from __future__ import annotations
+
+from .harness import Case, jax_runner, torch_fwd_bwd
+
+SHAPES = [(16384, 4096), (4096, 16384), (32768, 2048), (65536, 8192)]
+QUICK = [(16384, 4096), (4096, 16384)]
+EPS = 1e-5
+
+
+def eager_layer_norm(x, w, b):
+    import torch.nn.functional as F
+
+    return F.layer_norm(x, (x.shape[-1],), w, b, EPS)
+
+
+def _torch_inputs(n, h, requires_grad):
+    import torch
+
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+    w = (torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_(requires_grad)
+    b = torch.randn(h, device="cuda", dtype=torch.bfloat16).requires_grad_(requires_grad)
+    g = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    return x, w, b, g
+
+
+def _torch_provider(name):
+    import torch
+
+    if name == "liger_torch":
+        import liger_torch
+
+        return lambda x, w, b: liger_torch.layer_norm(x, w, b, EPS)
+    if name == "torch_eager":
+        return eager_layer_norm
+    if name == "torch_compile":
+        return torch.compile(eager_layer_norm)
+    if name == "liger_kernel":
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+    raise KeyError(name)
+
+
+def _make_torch(name, n, h, pass_):
+    def make():
+        fn = _torch_provider(name)
+        x, w, b, g = _torch_inputs(n, h, pass_ != "fwd")
+        if pass_ == "fwd":
+            return lambda: fn(x, w, b)
+        return torch_fwd_bwd(fn, (x, w, b), g)
+
+    return make
+
+
+def _make_jax(name, n, h, pass_):
+    def make():
+        import jax
+        import jax.numpy as jnp
+
+        import liger_jax
+
+        k1, k2, k3, k4 = jax.random.split(jax.random.key(n + h), 4)
+        x = jax.random.normal(k1, (n, h), jnp.bfloat16)
+        w = (jax.random.uniform(k2, (h,)) + 0.5).astype(jnp.bfloat16)
+        b = jax.random.normal(k3, (h,), jnp.bfloat16)
+        g = jax.random.normal(k4, (n, h), jnp.bfloat16)
+        if name == "liger_jax":
+            f = lambda a, s, c: liger_jax.layer_norm(a, s, c, epsilon=EPS)
+        else:
+            def f(a, s, c):  # flax.nnx.LayerNorm's formula (statistics and affine map in fp32)
+                af = a.astype(jnp.float32)
+                mean = jnp.mean(af, -1, keepdims=True)
+                var = jnp.mean(jnp.square(af - mean), -1, keepdims=True)
+                y = (af - mean) * (jax.lax.rsqrt(var + EPS) * s.astype(jnp.float32)) + c.astype(jnp.float32)
+                return y.astype(a.dtype)
+        if pass_ == "fwd":
+            return jax_runner(f, x, w, b)
+        return jax_runner(lambda a, s, c, d: jax.vjp(f, a, s, c)[1](d), x, w, b, g)
+
+    return make
+
+
+def cases(quick: bool = False) -> list[Case]:
+    out = []
+    for n, h in QUICK if quick else SHAPES:
+        for pass_ in ("fwd", "fwd+bwd"):
+            passes = 2 if pass_ == "fwd" else 5  # x, y  (+ dy, x again, dx)
+            nbytes = passes * n * h * 2
+            for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel"):
+                out.append(Case("layer_norm", pass_, f"{n}x{h}", "bf16", name, "torch",
+                                _make_torch(name, n, h, pass_), bytes=nbytes))
+            for name in ("liger_jax", "xla"):
+                out.append(Case("layer_norm", pass_, f"{n}x{h}", "bf16", name, "jax", _make_jax(name, n, h, pass_),
+                                bytes=nbytes))
+    return out

@@ -1,0 +1,35 @@
+"""Small ``@triton.jit`` helpers every kernel family shares: rounding to half precision, tanh without libdevice.
+
+Kernels load half-precision values, compute in fp32 and round where the reference rounds. The rounding is done
+on the fp32 bit pattern (round to nearest, ties to even), because Triton's interpreter converts fp32 to bf16 by
+truncation; a value rounded here is exactly representable in bf16, so the truncating store is then exact and
+the interpreter gives the GPU's results.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(value, dtype: tl.constexpr):
+    """Round fp32 ``value`` to ``dtype`` (round to nearest even) and return it as fp32."""
+    if dtype == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float32:
+        return value
+    else:
+        return value.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def cast(value, dtype: tl.constexpr):
+    """fp32 ``value`` as ``dtype`` for a store, rounded to nearest even also in the interpreter."""
+    return round_to(value, dtype).to(dtype)
+
+
+@triton.jit
+def tanh(z):
+    """tanh from exp: exact limits (+-1) for large |z|, about 1e-7 absolute error near 0."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)

@@ -1,0 +1,258 @@
+"""liger_torch.cross_entropy / CrossEntropyLoss against F.cross_entropy in float64, forward and backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import liger_core
+import liger_torch
+from helpers import assert_close
+
+OPTIONS = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "weight": {"weight": True},
+    "weight_smoothing": {"weight": True, "label_smoothing": 0.2},
+    "z_loss": {"lse_square_scale": 1e-2},
+    "softcap": {"softcap": 4.0},
+    "everything": {"weight": True, "label_smoothing": 0.1, "lse_square_scale": 1e-3, "softcap": 6.0},
+}
+
+
+def reference(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+              softcap=None):
+    """torch's own cross_entropy in float64, plus z-loss and softcap written out; (loss, z_loss)."""
+    z = x.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    w = None if weight is None else weight.double()
+    keep = t != ignore_index
+    if reduction == "mean" and not keep.any():
+        zero = (z * 0).sum()
+        return zero, zero
+    ce = F.cross_entropy(z, t, weight=w, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing)
+    zl = lse_square_scale * torch.logsumexp(z, -1) ** 2 * keep
+    if reduction == "mean":
+        zl = zl.sum() / keep.sum()
+    elif reduction == "sum":
+        zl = zl.sum()
+    return ce + zl, zl
+
+
+def draw(seed, n, v, dtype, ignore_fraction=0.25, ignore_index=-100):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, v, generator=gen) * 4).to(dtype)
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[torch.rand(n, generator=gen) < ignore_fraction] = ignore_index
+    w = torch.rand(v, generator=gen) + 0.5
+    return x, t, w, gen
+
+
+def run(fn, x, t, g):
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x, t)
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.backward(g)
+    return out, x.grad
+
+
+def incoming(loss_shape, reduction, gen, n):
+    if reduction == "none":
+        return torch.randn(n, generator=gen)  # non-uniform per-row gradient
+    return torch.tensor(0.7)
+
+
+@pytest.mark.parametrize("n,v", [(9, 1000), (6, 259)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_backward(n, v, reduction, option, dtype, device, seed):
+    x, t, w, gen = draw(seed, n, v, dtype)
+    opts = dict(OPTIONS[option])
+    if opts.pop("weight", False):
+        opts["weight"] = w.to(device)
+    x, t = x.to(device), t.to(device)
+    g = incoming(None, reduction, gen, n).to(device, dtype)
+    (loss, z), dx = run(lambda a, b: liger_torch.cross_entropy(a, b, reduction=reduction, return_z_loss=True,
+                                                               **opts), x, t, g)
+    (loss_ref, z_ref), dx_ref = run(lambda a, b: reference(a, b, reduction=reduction, **opts), x, t, g.double())
+    assert loss.dtype == dtype and loss.shape == loss_ref.shape and dx.dtype == dtype
+    assert_close(loss, loss_ref, dtype, "loss")
+    assert_close(z, z_ref, dtype, "z_loss")
+    # The mean's gradient is ~1/n per element: compare it scaled back up so the tolerance means something.
+    scale = n if reduction == "mean" else 1.0
+    assert_close(dx * scale, dx_ref * scale, dtype, "dlogits")
+
+
+@pytest.mark.parametrize("option", ["plain", "everything"])
+def test_vocab_over_several_blocks(option, device, seed):
+    """V larger than one block: the online softmax rescales across blocks."""
+    assert liger_core.cross_entropy.block_v(10000) < 10000
+    x, t, w, gen = draw(seed, 4, 10000, torch.float32, ignore_fraction=0.0)
+    opts = dict(OPTIONS[option])
+    if opts.pop("weight", False):
+        opts["weight"] = w
+    x = x * 3
+    x[0, 9000] = 80.0  # the row max lands in the second block
+    (loss,), dx = run(lambda a, b: (liger_torch.cross_entropy(a, b, **opts),), x, t, torch.tensor(1.0))
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, **opts), x, t, torch.tensor(1.0, dtype=torch.float64))
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    assert_close(dx * 4, dx_ref * 4, torch.float32, "dlogits")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", ["plain", "weight_smoothing", "everything"])
+def test_all_rows_ignored_gives_zero_loss_and_gradient(reduction, option, device, seed):
+    x, t, w, _ = draw(seed, 5, 259, torch.float32, ignore_fraction=1.0)
+    opts = dict(OPTIONS[option])
+    if opts.pop("weight", False):
+        opts["weight"] = w
+    x = x.requires_grad_(True)
+    loss = liger_torch.cross_entropy(x, t, reduction=reduction, **opts)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    loss.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_custom_ignore_index_inside_the_vocab(device, seed):
+    x, t, w, gen = draw(seed, 12, 100, torch.float32, ignore_fraction=0.0)
+    t[::3] = 7
+    for reduction in ("mean", "sum", "none"):
+        g = incoming(None, reduction, gen, 12)
+        opts = dict(weight=w, ignore_index=7, label_smoothing=0.1, reduction=reduction)
+        loss, dx = run(lambda a, b: liger_torch.cross_entropy(a, b, **opts), x, t, g)
+        (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, **opts), x, t, g.double())
+        assert_close(loss, loss_ref, torch.float32, "loss")
+        assert_close(dx * 12, dx_ref * 12, torch.float32, "dlogits")
+        assert torch.equal(dx[::3], torch.zeros_like(dx[::3]))
+
+
+def test_in_place_writes_the_gradient_over_the_logits(device, seed):
+    x, t, _, _ = draw(seed, 7, 300, torch.bfloat16)
+    x = x.requires_grad_(True)
+    kept = x.detach().clone()
+    liger_torch.cross_entropy(x, t).backward()
+    assert torch.equal(x.detach(), kept)  # default: logits untouched
+    grad = x.grad.clone()
+    x.grad = None
+    loss = liger_torch.cross_entropy(x, t, in_place=True)
+    assert torch.equal(x.detach(), grad)  # the forward wrote d loss / d logits into the logits' buffer
+    loss.backward()
+    assert torch.equal(x.grad, grad)
+
+
+def test_in_place_over_logits_saved_by_autograd_is_detected(device, seed):
+    """Overwriting logits that another op saved for its backward must fail loudly, not corrupt gradients."""
+    x, t, _, _ = draw(seed, 4, 50, torch.float32)
+    h = x.requires_grad_(True)
+    logits = torch.exp(h)  # exp saves its output
+    loss = liger_torch.cross_entropy(logits, t, in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_no_grad_computes_no_gradient(device, seed):
+    x, t, _, _ = draw(seed, 7, 300, torch.float32)
+    kept = x.clone()
+    with torch.no_grad():
+        loss = liger_torch.cross_entropy(x.requires_grad_(True), t, in_place=True)
+    assert torch.equal(x.detach(), kept)
+    assert_close(loss, reference(kept, t)[0], torch.float32, "loss")
+
+
+def test_second_backward_is_refused(device, seed):
+    x, t, _, _ = draw(seed, 4, 50, torch.float32)
+    loss = liger_torch.cross_entropy(x.requires_grad_(True), t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+def test_expanded_incoming_gradient_for_none(device, seed):
+    """loss.sum().backward() hands reduction='none' a stride-0 gradient."""
+    x, t, _, _ = draw(seed, 6, 259, torch.float32)
+    x = x.requires_grad_(True)
+    liger_torch.cross_entropy(x, t, reduction="none", lse_square_scale=1e-2).sum().backward()
+    ref = x.detach().double().requires_grad_(True)
+    reference(ref, t, reduction="none", lse_square_scale=1e-2)[0].sum().backward()
+    assert_close(x.grad, ref.grad, torch.float32, "dlogits")
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
+def test_non_contiguous_logits(layout, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "row_slice":
+        base = torch.randn(6, 400, generator=gen)
+        x = base[:, 50:309]
+    else:
+        x = torch.randn(259, 6, generator=gen).t()
+    assert not x.is_contiguous()
+    t = torch.randint(0, 259, (6,), generator=gen)
+    loss, dx = run(lambda a, b: liger_torch.cross_entropy(a, b, label_smoothing=0.1, in_place=True), x, t,
+                   torch.tensor(1.0))
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, label_smoothing=0.1), x, t,
+                                torch.tensor(1.0, dtype=torch.float64))
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    assert_close(dx * 6, dx_ref * 6, torch.float32, "dlogits")
+
+
+def test_int32_targets(device, seed):
+    x, t, _, _ = draw(seed, 8, 100, torch.float32)
+    loss, dx = run(lambda a, b: liger_torch.cross_entropy(a, b), x, t.int(), torch.tensor(1.0))
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b), x, t, torch.tensor(1.0, dtype=torch.float64))
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    assert_close(dx * 8, dx_ref * 8, torch.float32, "dlogits")
+
+
+def test_bitwise_deterministic(device, seed):
+    x, t, w, _ = draw(seed, 33, 1000, torch.float32)
+    runs = [run(lambda a, b: liger_torch.cross_entropy(a, b, w, label_smoothing=0.1), x, t, torch.tensor(1.0))
+            for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_module_is_drop_in_for_cross_entropy_loss(device, seed):
+    x, t, w, _ = draw(seed, 9, 259, torch.float32)
+    ours = liger_torch.CrossEntropyLoss(weight=w, label_smoothing=0.05)
+    theirs = torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.05)
+    assert set(ours.state_dict()) == set(theirs.state_dict()) == {"weight"}
+    loss, dx = run(ours, x, t, torch.tensor(1.0))
+    loss_ref, dx_ref = run(theirs, x, t, torch.tensor(1.0))
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    assert_close(dx * 9, dx_ref * 9, torch.float32, "dlogits")
+    z_module = liger_torch.CrossEntropyLoss(lse_square_scale=1e-3, return_z_loss=True)
+    loss, z = z_module(x, t)
+    assert_close(z, reference(x, t, lse_square_scale=1e-3)[1], torch.float32, "z_loss")
+
+
+@pytest.mark.parametrize("target_value", [259, -1, 10**6])
+def test_out_of_range_target_raises(target_value, device, seed):
+    x, t, _, _ = draw(seed, 4, 259, torch.float32)
+    t[2] = target_value
+    with pytest.raises(ValueError, match=r"outside \[0, 259\)"):
+        liger_torch.cross_entropy(x, t)
+
+
+@pytest.mark.parametrize("make,kwargs,error,match", [
+    (lambda: (torch.randn(4, 10), torch.zeros(5, dtype=torch.long)), {}, ValueError, "target must have shape"),
+    (lambda: (torch.randn(4, 10), torch.zeros(4)), {}, TypeError, "target must have an integer dtype"),
+    (lambda: (torch.ones(4, 10, dtype=torch.int32), torch.zeros(4, dtype=torch.long)), {}, TypeError, "logits"),
+    (lambda: (torch.randn(2, 4, 10), torch.zeros(2, 4, dtype=torch.long)), {}, ValueError, r"\(N, V\)"),
+    (lambda: (torch.randn(0, 10), torch.zeros(0, dtype=torch.long)), {}, ValueError, "logits must not be empty"),
+    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"weight": torch.ones(9)}, ValueError,
+     r"weight must have shape \(10,\)"),
+    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"weight": torch.ones(10, dtype=torch.long)},
+     TypeError, "weight"),
+    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"reduction": "avg"}, ValueError, "reduction"),
+    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"label_smoothing": 1.5}, ValueError,
+     "label_smoothing"),
+    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"lse_square_scale": -1.0}, ValueError,
+     "lse_square_scale"),
+    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"softcap": 0.0}, ValueError, "softcap"),
+    (lambda: ([[1.0]], torch.zeros(1, dtype=torch.long)), {}, TypeError, "logits must be a torch.Tensor"),
+])
+def test_bad_input_raises_before_launch(make, kwargs, error, match, device):
+    x, t = make()
+    with pytest.raises(error, match=match):
+        liger_torch.cross_entropy(x, t, **kwargs)

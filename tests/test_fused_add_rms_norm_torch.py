@@ -1,0 +1,243 @@
+"""liger_torch.fused_add_rms_norm / FusedAddRMSNorm against a float64 reference of the HF formulas
+(``residual = x + residual; y = LlamaRMSNorm(residual)``), forward and backward through both outputs."""
+
+import pytest
+import torch
+
+import liger_torch
+from helpers import assert_close
+
+# Triton's interpreter converts fp32 to bf16 by truncation (round toward zero; compiled kernels round to
+# nearest even), so each bf16 rounding point may be one ulp off the reference's instead of half an ulp.
+SLACK = {torch.bfloat16: 2.0} if liger_torch.INTERPRET else {}
+
+SHAPES = [(1, 64), (7, 123), (3, 5, 96)]
+MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("llama", 0.5)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rounded(v, dtype):
+    """v rounded to dtype in the forward; the identity in the backward (the kernels' gradient)."""
+    return v + (v.to(dtype).double() - v).detach()
+
+
+def reference(x, r, w, eps, offset, mode):
+    """HF's formulas in float64, rounded where HF rounds; returns (y, h)."""
+    h_dtype = torch.promote_types(x.dtype, r.dtype)
+    h = rounded(x.double() + r.double(), h_dtype)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if w is None:
+        return (normed if mode == "gemma" else rounded(normed, h_dtype)), h
+    scale = offset + w.double()
+    if mode == "llama":
+        out_dtype = torch.promote_types(h_dtype, w.dtype)
+        return rounded(normed, h_dtype) * rounded(scale, out_dtype), h
+    return normed * scale, h
+
+
+def run(fn, x, r, w, gy, gh):
+    """Forward, then backward through y (gradient gy) and h (gradient gh; None: h unused)."""
+    x, r = (t.detach().clone().requires_grad_(True) for t in (x, r))
+    w = None if w is None else w.detach().clone().requires_grad_(True)
+    y, h = fn(x, r, w)
+    outs, grads = zip(*[(o, g) for o, g in ((y, gy), (h, gh)) if g is not None])
+    torch.autograd.backward(outs, grads)
+    return y, h, x.grad, r.grad, (None if w is None else w.grad)
+
+
+def draw(seed, shape, dtype, r_dtype=None, w_dtype=None, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 2).to(device, dtype)
+    r = (torch.randn(shape, generator=gen) * 2).to(device, r_dtype or dtype)
+    w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(device, w_dtype or dtype)
+    gy = torch.randn(shape, generator=gen).to(device, dtype)
+    gh = torch.randn(shape, generator=gen).to(device, dtype)
+    return x, r, w, gy, gh
+
+
+def check(got, want, dtype, rows, dw_scale=None):
+    y, h, dx, dr, dw = got
+    y_ref, h_ref, dx_ref, dr_ref, dw_ref = want
+    slack = SLACK.get(dtype, 1.0)
+    assert_close(y, y_ref, dtype, "y", scale=slack)
+    assert_close(h, h_ref, dtype, "h", scale=slack)
+    assert_close(dx, dx_ref, dtype, "dx", scale=slack)
+    assert_close(dr, dr_ref, dtype, "dresidual", scale=slack)
+    if dw is not None:
+        # dw sums one rounded term per row: allow the bound to grow with sqrt(rows).
+        assert_close(dw, dw_ref, dtype, "dw", scale=slack * (dw_scale or max(1.0, rows ** 0.5)))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode,offset", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_backward(shape, mode, offset, dtype, device, seed):
+    x, r, w, gy, gh = draw(seed, shape, dtype, device=device)
+    eps = 1e-6
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c, eps, offset, mode), x, r, w, gy, gh)
+    want = run(lambda a, b, c: reference(a, b, c, eps, offset, mode), x, r, w, gy.double(), gh.double())
+    y, h, dx, dr, dw = got
+    assert y.dtype == dtype and h.dtype == dtype and dx.dtype == dr.dtype == dw.dtype == dtype
+    check(got, want, dtype, x.numel() // shape[-1])
+
+
+@pytest.mark.parametrize("used", ["y_only", "h_only"])
+def test_one_output_unused(used, device, seed):
+    x, r, w, gy, gh = draw(seed, (7, 123), torch.float32, device=device)
+    gy, gh = (gy, None) if used == "y_only" else (None, gh)
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w,
+               None if gy is None else gy.double(), None if gh is None else gh.double())
+    if used == "h_only":  # no gradient reaches the weight
+        assert got[4] is None or torch.equal(got[4], torch.zeros_like(got[4]))
+        got, want = got[:4] + (None,), want[:4] + (None,)
+    check(got, want, torch.float32, 7, dw_scale=3.0)
+
+
+def test_without_weight(device, seed):
+    x, r, _, gy, gh = draw(seed, (7, 123), torch.float32, device=device)
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, None), x, r, None, gy, gh)
+    want = run(lambda a, b, c: reference(a, b, None, 1e-6, 0.0, "llama"), x, r, None, gy.double(), gh.double())
+    check(got, want, torch.float32, 7)
+
+
+def test_mixed_dtypes(device, seed):
+    """bf16 x onto an fp32 residual stream with an fp32 weight: h and y in fp32, dx in bf16, dresidual fp32."""
+    x, r, w, gy, gh = draw(seed, (7, 123), torch.bfloat16, r_dtype=torch.float32, w_dtype=torch.float32,
+                           device=device)
+    gy, gh = gy.float(), gh.float()
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w, gy.double(), gh.double())
+    y, h, dx, dr, dw = got
+    assert y.dtype == h.dtype == dr.dtype == dw.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    assert_close(dx, want[2], torch.bfloat16, "dx", scale=SLACK.get(torch.bfloat16, 1.0))
+    check((y, h, dr, dr, dw), (want[0], want[1], want[3], want[3], want[4]), torch.float32, 7, dw_scale=3.0)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "strided_columns", "transposed_leading"])
+def test_non_contiguous_inputs(layout, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "row_slice":
+        x = torch.randn(7, 200, generator=gen).to(device)[:, 11:134]
+    elif layout == "strided_columns":
+        x = torch.randn(7, 246, generator=gen).to(device)[:, ::2]
+    else:
+        x = torch.randn(5, 3, 123, generator=gen).to(device).transpose(0, 1)
+    r = torch.randn(123, x.numel() // 123, generator=gen).to(device).t().reshape(x.shape)  # column-major rows
+    assert not r.is_contiguous()
+    assert not x.is_contiguous()
+    w = torch.randn(123, generator=gen).to(device)
+    gy, gh = (torch.randn(x.shape, generator=gen).to(device) for _ in range(2))
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w, gy.double(), gh.double())
+    check(got, want, torch.float32, x.numel() // 123, dw_scale=4.0)
+
+
+def test_gradients_are_distinct_tensors(device, seed):
+    """dx and dresidual hold equal values but separate memory: a later in-place backward may write over one."""
+    x, r, w, gy, gh = draw(seed, (7, 123), torch.float32, device=device)
+    _, _, dx, dr, _ = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
+    assert torch.equal(dx, dr) and dx.data_ptr() != dr.data_ptr()
+
+
+def test_in_place_backward_is_optional(device, seed):
+    x, r, w, gy, gh = draw(seed, (7, 123), torch.float32, device=device)
+    for in_place in (False, True):
+        gy_in, gh_in = gy.clone(), gh.clone()
+        _, _, dx, dr, _ = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c, in_place=in_place),
+                              x, r, w, gy_in, gh_in)
+        assert torch.equal(gy_in, dx) == in_place and torch.equal(gh_in, dr) == in_place
+        assert torch.equal(gy_in, gy) != in_place and torch.equal(gh_in, gh) != in_place
+
+
+def test_in_place_with_one_gradient_for_both_outputs(device, seed):
+    """The same tensor as the gradient of y and of h: nothing may be written over it twice."""
+    x, r, w, g, _ = draw(seed, (7, 123), torch.float32, device=device)
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c, in_place=True), x, r, w, g, g)
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w, g.double(), g.double())
+    check(got, want, torch.float32, 7, dw_scale=3.0)
+
+
+def test_expanded_grads(device, seed):
+    """(y.sum() + h.sum()).backward() hands in stride-0 gradients, which must not be written over."""
+    x, r, w, _, _ = draw(seed, (7, 123), torch.float32, device=device)
+    grads = []
+    for fn in (lambda a, b: liger_torch.fused_add_rms_norm(a, b, w, in_place=True),
+               lambda a, b: reference(a, b, w, 1e-6, 0.0, "llama")):
+        a, b = x.double() if len(grads) else x, r.double() if len(grads) else r
+        a, b = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
+        y, h = fn(a, b)
+        (y.sum() + h.sum()).backward()
+        grads.append((a.grad, b.grad))
+    assert_close(grads[0][0], grads[1][0], torch.float32, "dx")
+    assert_close(grads[0][1], grads[1][1], torch.float32, "dresidual")
+
+
+def test_bitwise_deterministic(device, seed):
+    x, r, w, gy, gh = draw(seed, (64, 257), torch.float32, device=device)
+    runs = [run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy.clone(), gh.clone())
+            for _ in range(2)]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_module_matches_transformers_residual_and_llama_rms_norm(device, seed):
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    hf = modeling.LlamaRMSNorm(96, eps=1e-6).to(device, torch.bfloat16)
+    ours = liger_torch.FusedAddRMSNorm(96, eps=1e-6).to(device, torch.bfloat16)
+    assert set(ours.state_dict()) == set(hf.state_dict()) == {"weight"} and ours.variance_epsilon == 1e-6
+    with torch.no_grad():
+        hf.weight.normal_()
+    ours.load_state_dict(hf.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(3, 5, 96, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    y, h = ours(x, r)
+    h_ref = x + r
+    if liger_torch.INTERPRET:  # the interpreter truncates to bf16: at most one ulp below torch's add
+        assert_close(h, h_ref, torch.bfloat16, "h", scale=SLACK[torch.bfloat16])
+    else:
+        assert torch.equal(h, h_ref)  # the bf16 add, bit for bit
+    assert_close(y, hf(h_ref), torch.bfloat16, "y", scale=SLACK.get(torch.bfloat16, 1.0))
+    gemma = liger_torch.FusedAddRMSNorm(96, offset=1.0, casting_mode="gemma", init_fn="zeros")
+    assert torch.equal(gemma.weight, torch.zeros(96))
+    with pytest.raises(ValueError, match="casting_mode"):
+        liger_torch.FusedAddRMSNorm(96, casting_mode="fp8")
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 7, device=d), None), ValueError,
+     "residual must have the shape of x"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 8, device=d), torch.randn(7, device=d)), ValueError,
+     "weight must have shape"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.ones(4, 8, dtype=torch.int32, device=d), None), TypeError,
+     "residual must have a floating"),
+    (lambda d: (torch.ones(4, 8, dtype=torch.int32, device=d), torch.randn(4, 8, device=d), None), TypeError,
+     "x must have a floating"),
+    (lambda d: (torch.randn(0, 8, device=d), torch.randn(0, 8, device=d), None), ValueError, "x must not be empty"),
+    (lambda d: (torch.randn(4, 8, device=d), [[0.0] * 8] * 4, None), TypeError, "residual must be a torch.Tensor"),
+])
+def test_bad_input_raises_before_launch(bad, error, match, device):
+    x, r, w = bad(device)
+    with pytest.raises(error, match=match):
+        liger_torch.fused_add_rms_norm(x, r, w)
+
+
+def test_bad_casting_mode(device):
+    with pytest.raises(ValueError, match="casting_mode"):
+        liger_torch.fused_add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), None, casting_mode="fp8")
+
+
+@pytest.mark.parametrize("mode", ["llama", "gemma"])
+def test_fp16_rounding_points_match_hf(mode, device, seed):
+    """fp16 (rounded to nearest in the interpreter too) pins the rounding points: h is torch's fp16 add bit for
+    bit, and y is HF's result bit for bit except where fp32 reduction order flips a rounding (< 1%, one ulp).
+    Without llama's rounding of the normalised h to fp16 about a quarter of the elements would differ."""
+    x, r, w, _, _ = draw(seed, (64, 257), torch.float16, device=device)
+    y, h = liger_torch.fused_add_rms_norm(x, r, w, 1e-6, 0.0, mode)
+    h_ref = x + r
+    assert torch.equal(h, h_ref)
+    normed = h_ref.float() * torch.rsqrt(h_ref.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    y_ref = w * normed.to(torch.float16) if mode == "llama" else (normed * w.float()).to(torch.float16)
+    exact = (y == y_ref).float().mean().item()
+    assert exact >= 0.99, f"only {exact:.2%} of y is bitwise HF's"
+    assert ((y.float() - y_ref.float()).abs() <= y_ref.float().abs() * 2 ** -10 + 2 ** -24).all()

@@ -1,0 +1,196 @@
+"""liger_torch.fused_linear_cross_entropy against matmul + F.cross_entropy in float64, forward and backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import liger_core
+import liger_torch
+from helpers import assert_close
+
+N, H, V = 37, 24, 259
+CHUNK = 8  # 5 chunks, the last one partial
+OPTIONS = {
+    "plain": {},
+    "everything": {"ce_weight": True, "label_smoothing": 0.1, "lse_square_scale": 1e-3, "softcap": 5.0},
+}
+
+
+def reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+              lse_square_scale=0.0, softcap=None):
+    """float64 from the same inputs, the logits rounded to x's dtype as an lm_head's output is; (loss, z)."""
+    z = x.double() @ w.double().t()
+    if b is not None:
+        z = z + b.double()
+    z = z.to(x.dtype).double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    keep = t != ignore_index
+    if reduction == "mean" and not keep.any():
+        zero = (z * 0).sum()
+        return zero, zero
+    ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), t.reshape(-1),
+                         weight=None if ce_weight is None else ce_weight.double(), ignore_index=ignore_index,
+                         reduction=reduction, label_smoothing=label_smoothing)
+    zl = (lse_square_scale * torch.logsumexp(z, -1) ** 2 * keep).reshape(-1)
+    if reduction == "mean":
+        zl = zl.sum() / keep.sum()
+    elif reduction == "sum":
+        zl = zl.sum()
+    return ce + zl, zl
+
+
+def draw(seed, dtype, n=N, ignore_fraction=0.25):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, generator=gen).to(dtype)
+    w = (torch.randn(V, H, generator=gen) * 0.4).to(dtype)
+    b = torch.randn(V, generator=gen).to(dtype)
+    t = torch.randint(0, V, (n,), generator=gen)
+    t[torch.rand(n, generator=gen) < ignore_fraction] = -100
+    cw = torch.rand(V, generator=gen) + 0.5
+    return x, w, b, t, cw, gen
+
+
+def grads_of(fn, tensors, g):
+    leaves = [None if a is None else a.detach().clone().requires_grad_(True) for a in tensors]
+    out = fn(*leaves)
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.backward(g)
+    return out, [None if a is None else a.grad for a in leaves]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option,with_bias", [("plain", False), ("plain", True), ("everything", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_backward(reduction, option, with_bias, dtype, device, seed):
+    x, w, b, t, cw, gen = draw(seed, dtype)
+    opts = dict(OPTIONS[option])
+    if opts.pop("ce_weight", False):
+        opts["ce_weight"] = cw
+    b = b if with_bias else None
+    g = (torch.randn(N, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(dtype)
+    (loss, z), grads = grads_of(lambda a, c, d: liger_torch.fused_linear_cross_entropy(
+        a, c, t, d, reduction=reduction, return_z_loss=True, chunk_size=CHUNK, **opts), (x, w, b), g)
+    (loss_ref, z_ref), grads_ref = grads_of(lambda a, c, d: reference(a, c, t, d, reduction=reduction, **opts),
+                                            (x, w, b), g.double())
+    assert loss.dtype == dtype and loss.shape == loss_ref.shape
+    assert_close(loss, loss_ref, dtype, "loss")
+    assert_close(z, z_ref, dtype, "z_loss")
+    scale = N if reduction == "mean" else 1.0  # the mean's gradients are ~1/N: compare them scaled up
+    for name, got, want in zip(("dx", "dweight", "dbias"), grads, grads_ref):
+        if want is None:
+            assert got is None
+            continue
+        assert got.dtype == dtype, name
+        # dweight / dbias sum N rounded terms per element; bf16 dx is a bf16 matmul of bf16 dlogits.
+        widen = 1.0 if name == "dx" else N ** 0.5
+        assert_close(got * scale, want * scale, dtype, name, scale=widen if dtype == torch.float32 else 2 * widen)
+
+
+def test_default_chunking_matches_explicit_chunks(device, seed):
+    x, w, b, t, cw, _ = draw(seed, torch.float32)
+    outs = [grads_of(lambda a, c, d: liger_torch.fused_linear_cross_entropy(a, c, t, d, cw, chunk_size=cs,
+                                                                             label_smoothing=0.1),
+                     (x, w, b), torch.tensor(1.0)) for cs in (None, CHUNK, 1)]
+    for loss, grads in outs[1:]:
+        assert_close(loss, outs[0][0], torch.float32, "loss")
+        for got, want in zip(grads, outs[0][1]):
+            assert_close(got, want, torch.float32, "grad", scale=3.0)
+
+
+def test_matches_cross_entropy_on_full_logits(device, seed):
+    x, w, b, t, cw, _ = draw(seed, torch.float32)
+    loss, grads = grads_of(lambda a, c: liger_torch.fused_linear_cross_entropy(a, c, t, chunk_size=CHUNK,
+                                                                               softcap=3.0), (x, w), torch.tensor(1.0))
+    loss_ref, grads_ref = grads_of(lambda a, c: liger_torch.cross_entropy(a @ c.t(), t, softcap=3.0), (x, w),
+                                   torch.tensor(1.0))
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    for got, want in zip(grads, grads_ref):
+        assert_close(got * N, want * N, torch.float32, "grad", scale=3.0)
+
+
+def test_three_dimensional_input_and_frozen_weight(device, seed):
+    x, w, _, t, _, _ = draw(seed, torch.float32, n=3 * 5)
+    x3, t3 = x.reshape(3, 5, H), t.reshape(3, 5)
+    x3 = x3.clone().requires_grad_(True)
+    loss = liger_torch.fused_linear_cross_entropy(x3, w, t3, reduction="none", chunk_size=4)
+    assert loss.shape == (3, 5)
+    g = torch.randn(3, 5)
+    loss.backward(g)
+    ref = x3.detach().double().requires_grad_(True)
+    reference(ref, w, t3, reduction="none")[0].reshape(3, 5).backward(g.double())
+    assert_close(loss, reference(x3, w, t3, reduction="none")[0].reshape(3, 5), torch.float32, "loss")
+    assert_close(x3.grad, ref.grad, torch.float32, "dx")
+
+
+def test_bf16_without_fp32_accumulation(device, seed):
+    x, w, _, t, _, _ = draw(seed, torch.bfloat16)
+    loss, grads = grads_of(lambda a, c: liger_torch.fused_linear_cross_entropy(
+        a, c, t, reduction="sum", chunk_size=CHUNK, accum_dtype_fp32=False), (x, w), torch.tensor(1.0))
+    loss_ref, grads_ref = grads_of(lambda a, c: reference(a, c, t, reduction="sum"), (x, w), torch.tensor(1.0))
+    assert grads[1].dtype == torch.bfloat16
+    assert_close(grads[1], grads_ref[1], torch.bfloat16, "dweight", scale=2 * N ** 0.5)
+
+
+def test_all_ignored_and_no_grad(device, seed):
+    x, w, b, t, _, _ = draw(seed, torch.float32, ignore_fraction=1.0)
+    loss, grads = grads_of(lambda a, c, d: liger_torch.fused_linear_cross_entropy(a, c, t, d, chunk_size=CHUNK,
+                                                                                  label_smoothing=0.1),
+                           (x, w, b), torch.tensor(1.0))
+    assert float(loss) == 0.0
+    for grad in grads:
+        assert torch.equal(grad, torch.zeros_like(grad))
+    x2, w2, _, t2, _, _ = draw(seed + 1, torch.float32)
+    with torch.no_grad():
+        loss = liger_torch.fused_linear_cross_entropy(x2.requires_grad_(True), w2, t2, chunk_size=CHUNK)
+    assert_close(loss, reference(x2, w2, t2)[0], torch.float32, "loss")
+
+
+def test_second_backward_is_refused(device, seed):
+    x, w, _, t, _, _ = draw(seed, torch.float32)
+    loss = liger_torch.fused_linear_cross_entropy(x.requires_grad_(True), w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+def test_module(device, seed):
+    x, w, b, t, cw, _ = draw(seed, torch.float32)
+    module = liger_torch.FusedLinearCrossEntropyLoss(ce_weight=cw, lse_square_scale=1e-3, return_z_loss=True,
+                                                     chunk_size=CHUNK)
+    loss, z = module(w, x, t, b)
+    loss_ref, z_ref = reference(x, w, t, b, ce_weight=cw, lse_square_scale=1e-3)
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    assert_close(z, z_ref, torch.float32, "z_loss")
+
+
+def test_chunk_size_is_a_bounded_workspace():
+    rows = liger_core.fused_linear_cross_entropy.chunk_rows
+    assert rows(8192, 128256, "bfloat16") == rows(10**6, 128256, "bfloat16") == 1024
+    assert rows(100, 128256, "bfloat16") == 100
+    assert rows(50, 10, "float32", chunk_size=8) == 8
+    assert rows(10**6, 10**7, "float32") >= 1
+
+
+@pytest.mark.parametrize("make,kwargs,error,match", [
+    (lambda: (torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long)), {}, ValueError,
+     r"weight must have shape \(V, H\) with H=8"),
+    (lambda: (torch.randn(4, 8), torch.randn(10, 8).double(), torch.zeros(4, dtype=torch.long)), {}, TypeError,
+     "weight"),
+    (lambda: (torch.randn(4, 8), torch.randn(10, 8).bfloat16(), torch.zeros(4, dtype=torch.long)), {}, TypeError,
+     "weight must have x's dtype"),
+    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(3, dtype=torch.long)), {}, ValueError,
+     "target must have shape"),
+    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)), {"bias": torch.zeros(9)},
+     ValueError, r"bias must have shape \(10,\)"),
+    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.tensor([0, 1, 10, 2])), {}, ValueError,
+     r"outside \[0, 10\)"),
+    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)), {"chunk_size": 0},
+     ValueError, "chunk_size"),
+    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)), {"reduction": "avg"},
+     ValueError, "reduction"),
+])
+def test_bad_input_raises_before_launch(make, kwargs, error, match, device):
+    x, w, t = make()
+    with pytest.raises(error, match=match):
+        liger_torch.fused_linear_cross_entropy(x, w, t, **kwargs)

@@ -1,0 +1,79 @@
+"""liger_torch.kl_div / KLDivLoss against F.kl_div in float64, forward and backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import liger_torch
+from helpers import assert_close
+
+REDUCTIONS = ["none", "sum", "mean", "batchmean"]
+
+
+def draw(seed, shape, dtype, log_target):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.log_softmax(torch.randn(shape, generator=gen) * 2, -1).to(dtype)
+    if log_target:
+        t = torch.log_softmax(torch.randn(shape, generator=gen) * 2, -1).to(dtype)
+    else:
+        t = torch.softmax(torch.randn(shape, generator=gen) * 2, -1)
+        t.view(-1, shape[-1])[0, :7] = 0.0  # zero probabilities: 0 * log 0 = 0
+        t = t.to(dtype)
+    return x, t, gen
+
+
+@pytest.mark.parametrize("shape", [(7, 1000), (2, 3, 259)])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("log_target", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_backward(shape, reduction, log_target, dtype, device, seed):
+    x, t, gen = draw(seed, shape, dtype, log_target)
+    g_shape = shape if reduction == "none" else ()
+    g = (torch.randn(g_shape, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(dtype)
+    xa = x.clone().requires_grad_(True)
+    loss = liger_torch.kl_div(xa, t, reduction, log_target)
+    loss.backward(g)
+    xr = x.double().requires_grad_(True)
+    ref = F.kl_div(xr, t.double(), reduction=reduction, log_target=log_target)
+    ref.backward(g.double())
+    assert loss.dtype == dtype and loss.shape == ref.shape and xa.grad.dtype == dtype
+    # sums over many elements: widen the bound with sqrt(elements)
+    widen = 1.0 if reduction == "none" else x.numel() ** 0.5
+    assert_close(loss, ref, dtype, "loss", scale=widen)
+    # the means' gradients are ~1/count: compare them scaled up
+    count = {"mean": x.numel(), "batchmean": shape[0]}.get(reduction, 1)
+    assert_close(xa.grad * count, xr.grad * count, dtype, "dinput")
+
+
+def test_vocab_over_several_blocks_and_module(device, seed):
+    x, t, _ = draw(seed, (3, 10000), torch.float32, False)
+    xa = x.clone().requires_grad_(True)
+    loss = liger_torch.KLDivLoss(reduction="batchmean")(xa, t)
+    loss.backward()
+    xr = x.double().requires_grad_(True)
+    ref = torch.nn.KLDivLoss(reduction="batchmean")(xr, t.double())
+    ref.backward()
+    assert_close(loss, ref, torch.float32, "loss")
+    assert_close(xa.grad * 3, xr.grad * 3, torch.float32, "dinput")
+
+
+def test_non_contiguous_and_expanded_grad(device, seed):
+    x, t, _ = draw(seed, (259, 6), torch.float32, False)
+    x, t = x.t(), t.t()  # rows along a strided axis
+    xa = x.clone().t().t().requires_grad_(True)
+    assert not xa.is_contiguous()
+    liger_torch.kl_div(xa, t, "none").sum().backward()  # stride-0 incoming gradient
+    xr = x.double().requires_grad_(True)
+    F.kl_div(xr, t.double(), reduction="none").sum().backward()
+    assert_close(xa.grad, xr.grad, torch.float32, "dinput")
+
+
+def test_bad_input(device):
+    with pytest.raises(ValueError, match="reduction"):
+        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 3), "avg")
+    with pytest.raises(ValueError, match="target must have the shape of input"):
+        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="target must have a floating"):
+        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="target requires grad"):
+        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 3, requires_grad=True))

@@ -1,0 +1,198 @@
+"""liger_torch.layer_norm / LayerNorm against torch.nn.functional.layer_norm in float64, forward and backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import liger_torch
+from helpers import assert_close
+
+SHAPES = [(1, 64), (7, 123), (3, 5, 96), (2, 1000)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def reference(x, w, b, eps):
+    """F.layer_norm on the (already rounded) inputs, every step in float64."""
+    return F.layer_norm(x.double(), (x.shape[-1],), None if w is None else w.double(),
+                        None if b is None else b.double(), eps)
+
+
+def grads_of(fn, g, *tensors):
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+    y = fn(*leaves)
+    y.backward(g)
+    return (y,) + tuple(None if t is None else t.grad for t in leaves)
+
+
+def draw(seed, shape, dtype, param_dtype=None, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    param_dtype = param_dtype or dtype
+    x = (torch.randn(shape, generator=gen) * 3 + 0.5).to(device, dtype)
+    w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(device, param_dtype)
+    b = torch.randn(shape[-1], generator=gen).to(device, param_dtype)
+    g = torch.randn(shape, generator=gen).to(device, dtype)
+    return x, w, b, g
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("params", ["weight_bias", "weight", "none"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_backward(shape, params, dtype, device, seed):
+    x, w, b, g = draw(seed, shape, dtype, device=device)
+    w = None if params == "none" else w
+    b = b if params == "weight_bias" else None
+    eps = 1e-5
+    y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d, eps), g.clone(), x, w, b)
+    y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, eps), g.double(), x, w, b)
+    assert y.dtype == dtype and dx.dtype == dtype
+    assert_close(y, y_ref, dtype, "y")
+    assert_close(dx, dx_ref, dtype, "dx")
+    # dw / db sum one term per row: allow the bound to grow with sqrt(rows).
+    rows = x.numel() // shape[-1]
+    if w is not None:
+        assert dw.dtype == dtype
+        assert_close(dw, dw_ref, dtype, "dw", scale=max(1.0, rows ** 0.5))
+    if b is not None:
+        assert db.dtype == dtype
+        assert_close(db, db_ref, dtype, "db", scale=max(1.0, rows ** 0.5))
+
+
+def test_bias_without_weight(device, seed):
+    x, _, b, g = draw(seed, (7, 123), torch.float32, device=device)
+    y, dx, _, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, None, b)
+    y_ref, dx_ref, _, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, None, b)
+    for got, want, name in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (db, db_ref, "db")):
+        assert_close(got, want, torch.float32, name, scale=3.0 if name == "db" else 1.0)
+
+
+def test_mixed_dtypes_keep_x_dtype(device, seed):
+    """bf16 activations with fp32 parameters (as under autocast): y and dx in bf16, dw and db in fp32."""
+    x, w, b, g = draw(seed, (7, 123), torch.bfloat16, param_dtype=torch.float32, device=device)
+    y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, w, b)
+    y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == torch.float32
+    assert_close(y, y_ref, torch.bfloat16, "y")
+    assert_close(dx, dx_ref, torch.bfloat16, "dx")
+    assert_close(dw, dw_ref, torch.float32, "dw", scale=3.0)
+    assert_close(db, db_ref, torch.float32, "db", scale=3.0)
+
+
+def test_large_mean_is_accurate(device, seed):
+    """A row mean far above its spread: E[x^2] - E[x]^2 in fp32 would lose most digits of the variance."""
+    x, w, b, g = draw(seed, (7, 123), torch.float32, device=device)
+    x = x + 300.0
+    y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, w, b)
+    y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)
+    # fp32 inputs near 300 carry ~2e-5 absolute rounding; the result is ~300x more sensitive than near 0.
+    assert_close(y, y_ref, torch.float32, "y", scale=4.0)
+    assert_close(dx, dx_ref, torch.float32, "dx", scale=4.0)
+    assert_close(dw, dw_ref, torch.float32, "dw", scale=4.0)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed_leading", "strided_columns"])
+def test_non_contiguous_input(layout, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "row_slice":  # rows of a wider buffer: handled by strides, no copy
+        x = torch.randn(7, 200, generator=gen).to(device)[:, 11:134]
+    elif layout == "transposed_leading":  # leading axes that do not fold: copied
+        x = torch.randn(5, 3, 123, generator=gen).to(device).transpose(0, 1)
+    else:  # every other column
+        x = torch.randn(7, 246, generator=gen).to(device)[:, ::2]
+    assert not x.is_contiguous()
+    w = torch.randn(123, generator=gen).to(device)
+    b = torch.randn(123, generator=gen).to(device)
+    g = torch.randn(x.shape, generator=gen).to(device).transpose(0, -1).contiguous().transpose(0, -1)
+    y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g, x, w, b)
+    y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)
+    assert_close(y, y_ref, torch.float32, "y")
+    assert_close(dx, dx_ref, torch.float32, "dx")
+    assert_close(dw, dw_ref, torch.float32, "dw", scale=3.0)
+    assert_close(db, db_ref, torch.float32, "db", scale=3.0)
+
+
+def test_backward_leaves_incoming_grad_alone(device, seed):
+    """The gradient of y may be shared with another branch (a residual sum): it must not be overwritten."""
+    x, w, b, g = draw(seed, (7, 123), torch.float32, device=device)
+    x.requires_grad_(True)
+    g_in = g.clone()
+    liger_torch.layer_norm(x, w, b).backward(g_in)
+    assert torch.equal(g_in, g)
+
+
+def test_expanded_grad(device, seed):
+    """y.sum().backward() hands in a stride-0 gradient."""
+    x, w, b, _ = draw(seed, (7, 123), torch.float32, device=device)
+    x.requires_grad_(True)
+    liger_torch.layer_norm(x, w, b).sum().backward()
+    ref = x.detach().double().requires_grad_(True)
+    reference(ref, w, b, 1e-5).sum().backward()
+    assert_close(x.grad, ref.grad, torch.float32, "dx")
+
+
+def test_bitwise_deterministic(device, seed):
+    x, w, b, g = draw(seed, (64, 257), torch.float32, device=device)
+    runs = [grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, w, b) for _ in range(2)]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bias": False}, {"elementwise_affine": False}])
+def test_module_is_drop_in_for_nn_layer_norm(kwargs, device, seed):
+    theirs = torch.nn.LayerNorm(96, eps=1e-6, **kwargs).to(device)
+    ours = liger_torch.LayerNorm(96, eps=1e-6, **kwargs).to(device)
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    assert ours.normalized_shape == theirs.normalized_shape and ours.eps == theirs.eps
+    assert (ours.weight is None) == (theirs.weight is None) and (ours.bias is None) == (theirs.bias is None)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(seed)).to(device).requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = ours(x), theirs(x_ref)
+    assert_close(y, y_ref, torch.float32, "y", scale=2.0)
+    (y ** 2).sum().backward()
+    (y_ref ** 2).sum().backward()
+    assert_close(x.grad, x_ref.grad, torch.float32, "dx", scale=4.0)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert_close(p.grad, q.grad, torch.float32, name, scale=10.0)
+
+
+def test_module_defaults_and_shape_check(device):
+    norm = liger_torch.LayerNorm(8)
+    assert norm.eps == 1e-5 and norm.normalized_shape == (8,)
+    assert torch.equal(norm.weight, torch.ones(8)) and torch.equal(norm.bias, torch.zeros(8))
+    assert liger_torch.LayerNorm((8,)).normalized_shape == (8,)
+    with pytest.raises(ValueError, match="hidden_size"):
+        liger_torch.LayerNorm((4, 8))
+    with pytest.raises(ValueError, match="last dimension must be 8"):
+        norm(torch.randn(2, 7, device=device))
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(7, device=d), None), ValueError, "weight must have shape"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(8, device=d), torch.randn(2, 8, device=d)),
+     ValueError, "bias must have shape"),
+    (lambda d: (torch.ones(4, 8, dtype=torch.int32, device=d), None, None), TypeError, "x must have a floating"),
+    (lambda d: (torch.randn(4, 8, device=d), None, torch.ones(8, dtype=torch.int64, device=d)), TypeError, "bias"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.ones(8, dtype=torch.float64, device=d), None), TypeError,
+     "weight"),
+    (lambda d: (torch.randn(0, 8, device=d), None, None), ValueError, "x must not be empty"),
+    (lambda d: (torch.tensor(3.0, device=d), None, None), ValueError, "x must have at least one dimension"),
+    (lambda d: (torch.randn(4, 8, device=d), None, [0.0] * 8), TypeError, "bias must be a torch.Tensor"),
+])
+def test_bad_input_raises_before_launch(bad, error, match, device):
+    x, w, b = bad(device)
+    with pytest.raises(error, match=match):
+        liger_torch.layer_norm(x, w, b)
+
+
+def test_fp16_rounds_once_like_torch(device, seed):
+    """fp16 (rounded to nearest in the interpreter too): y is torch's fp16 layer_norm bit for bit except where
+    fp32 reduction order flips a rounding (< 1% of elements, by one ulp)."""
+    x, w, b, _ = draw(seed, (64, 257), torch.float16, device=device)
+    y, y_ref = liger_torch.layer_norm(x, w, b, 1e-5), F.layer_norm(x, (257,), w, b, 1e-5)
+    exact = (y == y_ref).float().mean().item()
+    assert exact >= 0.99, f"only {exact:.2%} of y is bitwise torch's"
+    # one ulp, plus fp32 noise where the bias cancels the normalised term (y near 0)
+    assert ((y.float() - y_ref.float()).abs() <= y_ref.float().abs() * 2 ** -10 + 1e-6).all()
