@@ -27,10 +27,10 @@ GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
 # Elements per program: 16-byte vectors for every thread, several in flight.
 _TILE_ELEMENTS = 4096
 _MAX_BLOCK_N = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
-_SQRT_1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_KAPPA = 0.044715
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_SQRT_1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit

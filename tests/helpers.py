@@ -56,19 +56,30 @@ def x64():
 
 
 def assert_parity(torch_result, jax_result, name=""):
-    """torch-vs-jax frontend results: bitwise equal in the interpreter (same kernel, same grid, same
-    arithmetic). On the GPU jax_triton compiles the kernel through its own pipeline (its own compile options
-    and specialisation), and fp32 results were seen to differ by 1 ulp in a few elements (H200, 2026-12-02):
-    there, at most 2 units in the last place of the result's own dtype are allowed."""
+    """torch-vs-jax frontend results of the same kernel.
+
+    In the interpreter both frontends run the same kernel with the same grid and the same arithmetic, so the
+    results must be bitwise equal. On the GPU, jax_triton compiles the kernel through its own pipeline: it does
+    not mark integer arguments as divisible by 16 as Triton's own launcher does, so the compiler may choose
+    another register layout, and a ``tl.sum`` then adds in another order. Results were seen to differ by a few
+    units in the last place (H200, 2026-12-02; up to 5 ulp in an element of dx near zero after cancellation).
+    There the bound is elementwise 4 eps(dtype) * (|a| + max|a|): rounding-level, far below any real error."""
     import liger_core
 
-    t = torch_result.detach().cpu()
-    a = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
-    b = np.asarray(jax_result).astype(a.dtype) if str(np.asarray(jax_result).dtype) == "bfloat16" else np.asarray(jax_result)
+    if isinstance(torch_result, torch.Tensor):
+        t = torch_result.detach().cpu()
+        a = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+        half = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(t.dtype)
+    else:
+        a = np.asarray(torch_result)
+        half = {"bfloat16": 2.0**-8, "float16": 2.0**-11}.get(str(a.dtype))
+        a = a.astype(np.float32) if str(a.dtype) == "bfloat16" else a
+    b = np.asarray(jax_result)
+    b = b.astype(np.float32) if str(b.dtype) == "bfloat16" else b.astype(a.dtype)
+    assert a.shape == b.shape, f"{name}: shape {a.shape} != {b.shape}"
     if liger_core.INTERPRET:
         np.testing.assert_array_equal(a, b, err_msg=name)
         return
-    if t.dtype == torch.bfloat16:  # bf16 ulp in fp32 bit patterns: 2**16
-        np.testing.assert_array_max_ulp(a, b.astype(np.float32), maxulp=2 * 2**16)
-    else:
-        np.testing.assert_array_max_ulp(a, b, maxulp=2)
+    eps = half or float(np.finfo(a.dtype).eps)
+    scale = float(np.max(np.abs(a))) if a.size else 0.0
+    np.testing.assert_allclose(a, b, rtol=4 * eps, atol=4 * eps * scale, err_msg=name)

@@ -40,13 +40,14 @@ def reference(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoo
     return ce + zl, zl
 
 
-def draw(seed, n, v, dtype, ignore_fraction=0.25, ignore_index=-100):
+def draw(seed, n, v, dtype, ignore_fraction=0.25, ignore_index=-100, device="cpu"):
+    """Drawn on the CPU from a seeded generator (the same numbers on every device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(n, v, generator=gen) * 4).to(dtype)
+    x = (torch.randn(n, v, generator=gen) * 4).to(device, dtype)
     t = torch.randint(0, v, (n,), generator=gen)
     t[torch.rand(n, generator=gen) < ignore_fraction] = ignore_index
     w = torch.rand(v, generator=gen) + 0.5
-    return x, t, w, gen
+    return x, t.to(device), w.to(device), gen
 
 
 def run(fn, x, t, g):
@@ -57,10 +58,10 @@ def run(fn, x, t, g):
     return out, x.grad
 
 
-def incoming(loss_shape, reduction, gen, n):
+def incoming(loss_shape, reduction, gen, n, device="cpu"):
     if reduction == "none":
-        return torch.randn(n, generator=gen)  # non-uniform per-row gradient
-    return torch.tensor(0.7)
+        return torch.randn(n, generator=gen).to(device)  # non-uniform per-row gradient
+    return torch.tensor(0.7, device=device)
 
 
 @pytest.mark.parametrize("n,v", [(9, 1000), (6, 259)])
@@ -68,12 +69,11 @@ def incoming(loss_shape, reduction, gen, n):
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_forward_backward(n, v, reduction, option, dtype, device, seed):
-    x, t, w, gen = draw(seed, n, v, dtype)
+    x, t, w, gen = draw(seed, n, v, dtype, device=device)
     opts = dict(OPTIONS[option])
     if opts.pop("weight", False):
-        opts["weight"] = w.to(device)
-    x, t = x.to(device), t.to(device)
-    g = incoming(None, reduction, gen, n).to(device, dtype)
+        opts["weight"] = w
+    g = incoming(None, reduction, gen, n, device).to(dtype)
     (loss, z), dx = run(lambda a, b: liger_torch.cross_entropy(a, b, reduction=reduction, return_z_loss=True,
                                                                **opts), x, t, g)
     (loss_ref, z_ref), dx_ref = run(lambda a, b: reference(a, b, reduction=reduction, **opts), x, t, g.double())
@@ -89,14 +89,15 @@ def test_forward_backward(n, v, reduction, option, dtype, device, seed):
 def test_vocab_over_several_blocks(option, device, seed):
     """V larger than one block: the online softmax rescales across blocks."""
     assert liger_core.cross_entropy.block_v(10000) < 10000
-    x, t, w, gen = draw(seed, 4, 10000, torch.float32, ignore_fraction=0.0)
+    x, t, w, gen = draw(seed, 4, 10000, torch.float32, ignore_fraction=0.0, device=device)
     opts = dict(OPTIONS[option])
     if opts.pop("weight", False):
         opts["weight"] = w
     x = x * 3
     x[0, 9000] = 80.0  # the row max lands in the second block
-    (loss,), dx = run(lambda a, b: (liger_torch.cross_entropy(a, b, **opts),), x, t, torch.tensor(1.0))
-    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, **opts), x, t, torch.tensor(1.0, dtype=torch.float64))
+    (loss,), dx = run(lambda a, b: (liger_torch.cross_entropy(a, b, **opts),), x, t, torch.tensor(1.0, device=device))
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, **opts), x, t,
+                                torch.tensor(1.0, dtype=torch.float64, device=device))
     assert_close(loss, loss_ref, torch.float32, "loss")
     assert_close(dx * 4, dx_ref * 4, torch.float32, "dlogits")
 
@@ -104,7 +105,7 @@ def test_vocab_over_several_blocks(option, device, seed):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("option", ["plain", "weight_smoothing", "everything"])
 def test_all_rows_ignored_gives_zero_loss_and_gradient(reduction, option, device, seed):
-    x, t, w, _ = draw(seed, 5, 259, torch.float32, ignore_fraction=1.0)
+    x, t, w, _ = draw(seed, 5, 259, torch.float32, ignore_fraction=1.0, device=device)
     opts = dict(OPTIONS[option])
     if opts.pop("weight", False):
         opts["weight"] = w
@@ -116,10 +117,10 @@ def test_all_rows_ignored_gives_zero_loss_and_gradient(reduction, option, device
 
 
 def test_custom_ignore_index_inside_the_vocab(device, seed):
-    x, t, w, gen = draw(seed, 12, 100, torch.float32, ignore_fraction=0.0)
+    x, t, w, gen = draw(seed, 12, 100, torch.float32, ignore_fraction=0.0, device=device)
     t[::3] = 7
     for reduction in ("mean", "sum", "none"):
-        g = incoming(None, reduction, gen, 12)
+        g = incoming(None, reduction, gen, 12, device)
         opts = dict(weight=w, ignore_index=7, label_smoothing=0.1, reduction=reduction)
         loss, dx = run(lambda a, b: liger_torch.cross_entropy(a, b, **opts), x, t, g)
         (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, **opts), x, t, g.double())
@@ -129,7 +130,7 @@ def test_custom_ignore_index_inside_the_vocab(device, seed):
 
 
 def test_in_place_writes_the_gradient_over_the_logits(device, seed):
-    x, t, _, _ = draw(seed, 7, 300, torch.bfloat16)
+    x, t, _, _ = draw(seed, 7, 300, torch.bfloat16, device=device)
     x = x.requires_grad_(True)
     kept = x.detach().clone()
     liger_torch.cross_entropy(x, t).backward()
@@ -144,7 +145,7 @@ def test_in_place_writes_the_gradient_over_the_logits(device, seed):
 
 def test_in_place_over_logits_saved_by_autograd_is_detected(device, seed):
     """Overwriting logits that another op saved for its backward must fail loudly, not corrupt gradients."""
-    x, t, _, _ = draw(seed, 4, 50, torch.float32)
+    x, t, _, _ = draw(seed, 4, 50, torch.float32, device=device)
     h = x.requires_grad_(True)
     logits = torch.exp(h)  # exp saves its output
     loss = liger_torch.cross_entropy(logits, t, in_place=True)
@@ -153,7 +154,7 @@ def test_in_place_over_logits_saved_by_autograd_is_detected(device, seed):
 
 
 def test_no_grad_computes_no_gradient(device, seed):
-    x, t, _, _ = draw(seed, 7, 300, torch.float32)
+    x, t, _, _ = draw(seed, 7, 300, torch.float32, device=device)
     kept = x.clone()
     with torch.no_grad():
         loss = liger_torch.cross_entropy(x.requires_grad_(True), t, in_place=True)
@@ -162,7 +163,7 @@ def test_no_grad_computes_no_gradient(device, seed):
 
 
 def test_second_backward_is_refused(device, seed):
-    x, t, _, _ = draw(seed, 4, 50, torch.float32)
+    x, t, _, _ = draw(seed, 4, 50, torch.float32, device=device)
     loss = liger_torch.cross_entropy(x.requires_grad_(True), t)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
@@ -171,7 +172,7 @@ def test_second_backward_is_refused(device, seed):
 
 def test_expanded_incoming_gradient_for_none(device, seed):
     """loss.sum().backward() hands reduction='none' a stride-0 gradient."""
-    x, t, _, _ = draw(seed, 6, 259, torch.float32)
+    x, t, _, _ = draw(seed, 6, 259, torch.float32, device=device)
     x = x.requires_grad_(True)
     liger_torch.cross_entropy(x, t, reduction="none", lse_square_scale=1e-2).sum().backward()
     ref = x.detach().double().requires_grad_(True)
@@ -183,42 +184,43 @@ def test_expanded_incoming_gradient_for_none(device, seed):
 def test_non_contiguous_logits(layout, device, seed):
     gen = torch.Generator().manual_seed(seed)
     if layout == "row_slice":
-        base = torch.randn(6, 400, generator=gen)
+        base = torch.randn(6, 400, generator=gen).to(device)
         x = base[:, 50:309]
     else:
-        x = torch.randn(259, 6, generator=gen).t()
+        x = torch.randn(259, 6, generator=gen).to(device).t()
     assert not x.is_contiguous()
-    t = torch.randint(0, 259, (6,), generator=gen)
+    t = torch.randint(0, 259, (6,), generator=gen).to(device)
     loss, dx = run(lambda a, b: liger_torch.cross_entropy(a, b, label_smoothing=0.1, in_place=True), x, t,
-                   torch.tensor(1.0))
+                   torch.tensor(1.0, device=device))
     (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, label_smoothing=0.1), x, t,
-                                torch.tensor(1.0, dtype=torch.float64))
+                                torch.tensor(1.0, dtype=torch.float64, device=device))
     assert_close(loss, loss_ref, torch.float32, "loss")
     assert_close(dx * 6, dx_ref * 6, torch.float32, "dlogits")
 
 
 def test_int32_targets(device, seed):
-    x, t, _, _ = draw(seed, 8, 100, torch.float32)
-    loss, dx = run(lambda a, b: liger_torch.cross_entropy(a, b), x, t.int(), torch.tensor(1.0))
-    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b), x, t, torch.tensor(1.0, dtype=torch.float64))
+    x, t, _, _ = draw(seed, 8, 100, torch.float32, device=device)
+    loss, dx = run(lambda a, b: liger_torch.cross_entropy(a, b), x, t.int(), torch.tensor(1.0, device=device))
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b), x, t,
+                                torch.tensor(1.0, dtype=torch.float64, device=device))
     assert_close(loss, loss_ref, torch.float32, "loss")
     assert_close(dx * 8, dx_ref * 8, torch.float32, "dlogits")
 
 
 def test_bitwise_deterministic(device, seed):
-    x, t, w, _ = draw(seed, 33, 1000, torch.float32)
-    runs = [run(lambda a, b: liger_torch.cross_entropy(a, b, w, label_smoothing=0.1), x, t, torch.tensor(1.0))
-            for _ in range(2)]
+    x, t, w, _ = draw(seed, 33, 1000, torch.float32, device=device)
+    runs = [run(lambda a, b: liger_torch.cross_entropy(a, b, w, label_smoothing=0.1), x, t,
+                torch.tensor(1.0, device=device)) for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 def test_module_is_drop_in_for_cross_entropy_loss(device, seed):
-    x, t, w, _ = draw(seed, 9, 259, torch.float32)
+    x, t, w, _ = draw(seed, 9, 259, torch.float32, device=device)
     ours = liger_torch.CrossEntropyLoss(weight=w, label_smoothing=0.05)
     theirs = torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.05)
     assert set(ours.state_dict()) == set(theirs.state_dict()) == {"weight"}
-    loss, dx = run(ours, x, t, torch.tensor(1.0))
-    loss_ref, dx_ref = run(theirs, x, t, torch.tensor(1.0))
+    loss, dx = run(ours, x, t, torch.tensor(1.0, device=device))
+    loss_ref, dx_ref = run(theirs, x, t, torch.tensor(1.0, device=device))
     assert_close(loss, loss_ref, torch.float32, "loss")
     assert_close(dx * 9, dx_ref * 9, torch.float32, "dlogits")
     z_module = liger_torch.CrossEntropyLoss(lse_square_scale=1e-3, return_z_loss=True)
@@ -228,31 +230,41 @@ def test_module_is_drop_in_for_cross_entropy_loss(device, seed):
 
 @pytest.mark.parametrize("target_value", [259, -1, 10**6])
 def test_out_of_range_target_raises(target_value, device, seed):
-    x, t, _, _ = draw(seed, 4, 259, torch.float32)
+    x, t, _, _ = draw(seed, 4, 259, torch.float32, device=device)
     t[2] = target_value
     with pytest.raises(ValueError, match=r"outside \[0, 259\)"):
         liger_torch.cross_entropy(x, t)
 
 
+# make(device) -> (logits, target); kwargs(device) -> keyword arguments. Everything is built on the test's device,
+# so the device check (which runs first) passes and the check under test is the one that fires.
 @pytest.mark.parametrize("make,kwargs,error,match", [
-    (lambda: (torch.randn(4, 10), torch.zeros(5, dtype=torch.long)), {}, ValueError, "target must have shape"),
-    (lambda: (torch.randn(4, 10), torch.zeros(4)), {}, TypeError, "target must have an integer dtype"),
-    (lambda: (torch.ones(4, 10, dtype=torch.int32), torch.zeros(4, dtype=torch.long)), {}, TypeError, "logits"),
-    (lambda: (torch.randn(2, 4, 10), torch.zeros(2, 4, dtype=torch.long)), {}, ValueError, r"\(N, V\)"),
-    (lambda: (torch.randn(0, 10), torch.zeros(0, dtype=torch.long)), {}, ValueError, "logits must not be empty"),
-    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"weight": torch.ones(9)}, ValueError,
-     r"weight must have shape \(10,\)"),
-    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"weight": torch.ones(10, dtype=torch.long)},
-     TypeError, "weight"),
-    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"reduction": "avg"}, ValueError, "reduction"),
-    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"label_smoothing": 1.5}, ValueError,
-     "label_smoothing"),
-    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"lse_square_scale": -1.0}, ValueError,
-     "lse_square_scale"),
-    (lambda: (torch.randn(4, 10), torch.zeros(4, dtype=torch.long)), {"softcap": 0.0}, ValueError, "softcap"),
-    (lambda: ([[1.0]], torch.zeros(1, dtype=torch.long)), {}, TypeError, "logits must be a torch.Tensor"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(5, dtype=torch.long, device=d)), lambda d: {}, ValueError,
+     "target must have shape"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(4, device=d)), lambda d: {}, TypeError,
+     "target must have an integer dtype"),
+    (lambda d: (torch.ones(4, 10, dtype=torch.int32, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {}, TypeError, "logits"),
+    (lambda d: (torch.randn(2, 4, 10, device=d), torch.zeros(2, 4, dtype=torch.long, device=d)), lambda d: {},
+     ValueError, r"\(N, V\)"),
+    (lambda d: (torch.randn(0, 10, device=d), torch.zeros(0, dtype=torch.long, device=d)), lambda d: {}, ValueError,
+     "logits must not be empty"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"weight": torch.ones(9, device=d)}, ValueError, r"weight must have shape \(10,\)"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"weight": torch.ones(10, dtype=torch.long, device=d)}, TypeError, "weight"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"reduction": "avg"}, ValueError, "reduction"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"label_smoothing": 1.5}, ValueError, "label_smoothing"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"lse_square_scale": -1.0}, ValueError, "lse_square_scale"),
+    (lambda d: (torch.randn(4, 10, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"softcap": 0.0}, ValueError, "softcap"),
+    (lambda d: ([[1.0]], torch.zeros(1, dtype=torch.long, device=d)), lambda d: {}, TypeError,
+     "logits must be a torch.Tensor"),
 ])
 def test_bad_input_raises_before_launch(make, kwargs, error, match, device):
-    x, t = make()
+    x, t = make(device)
     with pytest.raises(error, match=match):
-        liger_torch.cross_entropy(x, t, **kwargs)
+        liger_torch.cross_entropy(x, t, **kwargs(device))

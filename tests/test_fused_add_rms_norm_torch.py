@@ -224,7 +224,8 @@ def test_bad_input_raises_before_launch(bad, error, match, device):
 
 def test_bad_casting_mode(device):
     with pytest.raises(ValueError, match="casting_mode"):
-        liger_torch.fused_add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), None, casting_mode="fp8")
+        liger_torch.fused_add_rms_norm(torch.randn(2, 8, device=device), torch.randn(2, 8, device=device), None,
+                                       casting_mode="fp8")
 
 
 @pytest.mark.parametrize("mode", ["llama", "gemma"])

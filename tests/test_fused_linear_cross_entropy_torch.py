@@ -40,15 +40,16 @@ def reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, reduction="mea
     return ce + zl, zl
 
 
-def draw(seed, dtype, n=N, ignore_fraction=0.25):
+def draw(seed, dtype, n=N, ignore_fraction=0.25, device="cpu"):
+    """Drawn on the CPU from a seeded generator (the same numbers on every device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, H, generator=gen).to(dtype)
-    w = (torch.randn(V, H, generator=gen) * 0.4).to(dtype)
-    b = torch.randn(V, generator=gen).to(dtype)
+    x = torch.randn(n, H, generator=gen).to(device, dtype)
+    w = (torch.randn(V, H, generator=gen) * 0.4).to(device, dtype)
+    b = torch.randn(V, generator=gen).to(device, dtype)
     t = torch.randint(0, V, (n,), generator=gen)
     t[torch.rand(n, generator=gen) < ignore_fraction] = -100
     cw = torch.rand(V, generator=gen) + 0.5
-    return x, w, b, t, cw, gen
+    return x, w, b, t.to(device), cw.to(device), gen
 
 
 def grads_of(fn, tensors, g):
@@ -63,12 +64,12 @@ def grads_of(fn, tensors, g):
 @pytest.mark.parametrize("option,with_bias", [("plain", False), ("plain", True), ("everything", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_backward(reduction, option, with_bias, dtype, device, seed):
-    x, w, b, t, cw, gen = draw(seed, dtype)
+    x, w, b, t, cw, gen = draw(seed, dtype, device=device)
     opts = dict(OPTIONS[option])
     if opts.pop("ce_weight", False):
         opts["ce_weight"] = cw
     b = b if with_bias else None
-    g = (torch.randn(N, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(dtype)
+    g = (torch.randn(N, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(device, dtype)
     (loss, z), grads = grads_of(lambda a, c, d: liger_torch.fused_linear_cross_entropy(
         a, c, t, d, reduction=reduction, return_z_loss=True, chunk_size=CHUNK, **opts), (x, w, b), g)
     (loss_ref, z_ref), grads_ref = grads_of(lambda a, c, d: reference(a, c, t, d, reduction=reduction, **opts),
@@ -88,10 +89,10 @@ def test_forward_backward(reduction, option, with_bias, dtype, device, seed):
 
 
 def test_default_chunking_matches_explicit_chunks(device, seed):
-    x, w, b, t, cw, _ = draw(seed, torch.float32)
+    x, w, b, t, cw, _ = draw(seed, torch.float32, device=device)
     outs = [grads_of(lambda a, c, d: liger_torch.fused_linear_cross_entropy(a, c, t, d, cw, chunk_size=cs,
                                                                              label_smoothing=0.1),
-                     (x, w, b), torch.tensor(1.0)) for cs in (None, CHUNK, 1)]
+                     (x, w, b), torch.tensor(1.0, device=device)) for cs in (None, CHUNK, 1)]
     for loss, grads in outs[1:]:
         assert_close(loss, outs[0][0], torch.float32, "loss")
         for got, want in zip(grads, outs[0][1]):
@@ -99,23 +100,24 @@ def test_default_chunking_matches_explicit_chunks(device, seed):
 
 
 def test_matches_cross_entropy_on_full_logits(device, seed):
-    x, w, b, t, cw, _ = draw(seed, torch.float32)
+    x, w, b, t, cw, _ = draw(seed, torch.float32, device=device)
     loss, grads = grads_of(lambda a, c: liger_torch.fused_linear_cross_entropy(a, c, t, chunk_size=CHUNK,
-                                                                               softcap=3.0), (x, w), torch.tensor(1.0))
+                                                                               softcap=3.0), (x, w),
+                           torch.tensor(1.0, device=device))
     loss_ref, grads_ref = grads_of(lambda a, c: liger_torch.cross_entropy(a @ c.t(), t, softcap=3.0), (x, w),
-                                   torch.tensor(1.0))
+                                   torch.tensor(1.0, device=device))
     assert_close(loss, loss_ref, torch.float32, "loss")
     for got, want in zip(grads, grads_ref):
         assert_close(got * N, want * N, torch.float32, "grad", scale=3.0)
 
 
 def test_three_dimensional_input_and_frozen_weight(device, seed):
-    x, w, _, t, _, _ = draw(seed, torch.float32, n=3 * 5)
+    x, w, _, t, _, _ = draw(seed, torch.float32, n=3 * 5, device=device)
     x3, t3 = x.reshape(3, 5, H), t.reshape(3, 5)
     x3 = x3.clone().requires_grad_(True)
     loss = liger_torch.fused_linear_cross_entropy(x3, w, t3, reduction="none", chunk_size=4)
     assert loss.shape == (3, 5)
-    g = torch.randn(3, 5)
+    g = torch.randn(3, 5).to(device)  # torch's global generator, as before; drawn on the CPU
     loss.backward(g)
     ref = x3.detach().double().requires_grad_(True)
     reference(ref, w, t3, reduction="none")[0].reshape(3, 5).backward(g.double())
@@ -124,30 +126,31 @@ def test_three_dimensional_input_and_frozen_weight(device, seed):
 
 
 def test_bf16_without_fp32_accumulation(device, seed):
-    x, w, _, t, _, _ = draw(seed, torch.bfloat16)
+    x, w, _, t, _, _ = draw(seed, torch.bfloat16, device=device)
     loss, grads = grads_of(lambda a, c: liger_torch.fused_linear_cross_entropy(
-        a, c, t, reduction="sum", chunk_size=CHUNK, accum_dtype_fp32=False), (x, w), torch.tensor(1.0))
-    loss_ref, grads_ref = grads_of(lambda a, c: reference(a, c, t, reduction="sum"), (x, w), torch.tensor(1.0))
+        a, c, t, reduction="sum", chunk_size=CHUNK, accum_dtype_fp32=False), (x, w), torch.tensor(1.0, device=device))
+    loss_ref, grads_ref = grads_of(lambda a, c: reference(a, c, t, reduction="sum"), (x, w),
+                                   torch.tensor(1.0, device=device))
     assert grads[1].dtype == torch.bfloat16
     assert_close(grads[1], grads_ref[1], torch.bfloat16, "dweight", scale=2 * N ** 0.5)
 
 
 def test_all_ignored_and_no_grad(device, seed):
-    x, w, b, t, _, _ = draw(seed, torch.float32, ignore_fraction=1.0)
+    x, w, b, t, _, _ = draw(seed, torch.float32, ignore_fraction=1.0, device=device)
     loss, grads = grads_of(lambda a, c, d: liger_torch.fused_linear_cross_entropy(a, c, t, d, chunk_size=CHUNK,
                                                                                   label_smoothing=0.1),
-                           (x, w, b), torch.tensor(1.0))
+                           (x, w, b), torch.tensor(1.0, device=device))
     assert float(loss) == 0.0
     for grad in grads:
         assert torch.equal(grad, torch.zeros_like(grad))
-    x2, w2, _, t2, _, _ = draw(seed + 1, torch.float32)
+    x2, w2, _, t2, _, _ = draw(seed + 1, torch.float32, device=device)
     with torch.no_grad():
         loss = liger_torch.fused_linear_cross_entropy(x2.requires_grad_(True), w2, t2, chunk_size=CHUNK)
     assert_close(loss, reference(x2, w2, t2)[0], torch.float32, "loss")
 
 
 def test_second_backward_is_refused(device, seed):
-    x, w, _, t, _, _ = draw(seed, torch.float32)
+    x, w, _, t, _, _ = draw(seed, torch.float32, device=device)
     loss = liger_torch.fused_linear_cross_entropy(x.requires_grad_(True), w, t)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
@@ -155,7 +158,7 @@ def test_second_backward_is_refused(device, seed):
 
 
 def test_module(device, seed):
-    x, w, b, t, cw, _ = draw(seed, torch.float32)
+    x, w, b, t, cw, _ = draw(seed, torch.float32, device=device)
     module = liger_torch.FusedLinearCrossEntropyLoss(ce_weight=cw, lse_square_scale=1e-3, return_z_loss=True,
                                                      chunk_size=CHUNK)
     loss, z = module(w, x, t, b)
@@ -172,25 +175,27 @@ def test_chunk_size_is_a_bounded_workspace():
     assert rows(10**6, 10**7, "float32") >= 1
 
 
+# make(device) -> (x, weight, target); kwargs(device) -> keyword arguments. Everything is built on the test's
+# device, so the device check (which runs first) passes and the check under test is the one that fires.
 @pytest.mark.parametrize("make,kwargs,error,match", [
-    (lambda: (torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long)), {}, ValueError,
-     r"weight must have shape \(V, H\) with H=8"),
-    (lambda: (torch.randn(4, 8), torch.randn(10, 8).double(), torch.zeros(4, dtype=torch.long)), {}, TypeError,
-     "weight"),
-    (lambda: (torch.randn(4, 8), torch.randn(10, 8).bfloat16(), torch.zeros(4, dtype=torch.long)), {}, TypeError,
-     "weight must have x's dtype"),
-    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(3, dtype=torch.long)), {}, ValueError,
-     "target must have shape"),
-    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)), {"bias": torch.zeros(9)},
-     ValueError, r"bias must have shape \(10,\)"),
-    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.tensor([0, 1, 10, 2])), {}, ValueError,
-     r"outside \[0, 10\)"),
-    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)), {"chunk_size": 0},
-     ValueError, "chunk_size"),
-    (lambda: (torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)), {"reduction": "avg"},
-     ValueError, "reduction"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 7, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {}, ValueError, r"weight must have shape \(V, H\) with H=8"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 8, device=d).double(),
+                torch.zeros(4, dtype=torch.long, device=d)), lambda d: {}, TypeError, "weight"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 8, device=d).bfloat16(),
+                torch.zeros(4, dtype=torch.long, device=d)), lambda d: {}, TypeError, "weight must have x's dtype"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), torch.zeros(3, dtype=torch.long, device=d)),
+     lambda d: {}, ValueError, "target must have shape"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"bias": torch.zeros(9, device=d)}, ValueError, r"bias must have shape \(10,\)"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), torch.tensor([0, 1, 10, 2], device=d)),
+     lambda d: {}, ValueError, r"outside \[0, 10\)"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"chunk_size": 0}, ValueError, "chunk_size"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(10, 8, device=d), torch.zeros(4, dtype=torch.long, device=d)),
+     lambda d: {"reduction": "avg"}, ValueError, "reduction"),
 ])
 def test_bad_input_raises_before_launch(make, kwargs, error, match, device):
-    x, w, t = make()
+    x, w, t = make(device)
     with pytest.raises(error, match=match):
-        liger_torch.fused_linear_cross_entropy(x, w, t, **kwargs)
+        liger_torch.fused_linear_cross_entropy(x, w, t, **kwargs(device))

@@ -10,7 +10,8 @@ from helpers import assert_close
 REDUCTIONS = ["none", "sum", "mean", "batchmean"]
 
 
-def draw(seed, shape, dtype, log_target):
+def draw(seed, shape, dtype, log_target, device="cpu"):
+    """Drawn on the CPU from a seeded generator (the same numbers on every device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.log_softmax(torch.randn(shape, generator=gen) * 2, -1).to(dtype)
     if log_target:
@@ -19,7 +20,7 @@ def draw(seed, shape, dtype, log_target):
         t = torch.softmax(torch.randn(shape, generator=gen) * 2, -1)
         t.view(-1, shape[-1])[0, :7] = 0.0  # zero probabilities: 0 * log 0 = 0
         t = t.to(dtype)
-    return x, t, gen
+    return x.to(device), t.to(device), gen
 
 
 @pytest.mark.parametrize("shape", [(7, 1000), (2, 3, 259)])
@@ -27,9 +28,9 @@ def draw(seed, shape, dtype, log_target):
 @pytest.mark.parametrize("log_target", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_forward_backward(shape, reduction, log_target, dtype, device, seed):
-    x, t, gen = draw(seed, shape, dtype, log_target)
+    x, t, gen = draw(seed, shape, dtype, log_target, device=device)
     g_shape = shape if reduction == "none" else ()
-    g = (torch.randn(g_shape, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(dtype)
+    g = (torch.randn(g_shape, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(device, dtype)
     xa = x.clone().requires_grad_(True)
     loss = liger_torch.kl_div(xa, t, reduction, log_target)
     loss.backward(g)
@@ -46,7 +47,7 @@ def test_forward_backward(shape, reduction, log_target, dtype, device, seed):
 
 
 def test_vocab_over_several_blocks_and_module(device, seed):
-    x, t, _ = draw(seed, (3, 10000), torch.float32, False)
+    x, t, _ = draw(seed, (3, 10000), torch.float32, False, device=device)
     xa = x.clone().requires_grad_(True)
     loss = liger_torch.KLDivLoss(reduction="batchmean")(xa, t)
     loss.backward()
@@ -58,7 +59,7 @@ def test_vocab_over_several_blocks_and_module(device, seed):
 
 
 def test_non_contiguous_and_expanded_grad(device, seed):
-    x, t, _ = draw(seed, (259, 6), torch.float32, False)
+    x, t, _ = draw(seed, (259, 6), torch.float32, False, device=device)
     x, t = x.t(), t.t()  # rows along a strided axis
     xa = x.clone().t().t().requires_grad_(True)
     assert not xa.is_contiguous()
@@ -69,11 +70,12 @@ def test_non_contiguous_and_expanded_grad(device, seed):
 
 
 def test_bad_input(device):
+    x = torch.zeros(2, 3, device=device)
     with pytest.raises(ValueError, match="reduction"):
-        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 3), "avg")
+        liger_torch.kl_div(x, torch.zeros(2, 3, device=device), "avg")
     with pytest.raises(ValueError, match="target must have the shape of input"):
-        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 4))
+        liger_torch.kl_div(x, torch.zeros(2, 4, device=device))
     with pytest.raises(TypeError, match="target must have a floating"):
-        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))
+        liger_torch.kl_div(x, torch.zeros(2, 3, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="target requires grad"):
-        liger_torch.kl_div(torch.zeros(2, 3), torch.zeros(2, 3, requires_grad=True))
+        liger_torch.kl_div(x, torch.zeros(2, 3, requires_grad=True, device=device))

@@ -166,7 +166,7 @@ def test_module_defaults_and_shape_check(device):
     with pytest.raises(ValueError, match="hidden_size"):
         liger_torch.LayerNorm((4, 8))
     with pytest.raises(ValueError, match="last dimension must be 8"):
-        norm(torch.randn(2, 7, device=device))
+        norm.to(device)(torch.randn(2, 7, device=device))
 
 
 @pytest.mark.parametrize("bad,error,match", [

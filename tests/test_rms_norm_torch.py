@@ -182,3 +182,22 @@ def test_cuda_tensor_in_interpreter_mode_is_refused():
         pytest.skip("needs interpreter mode with a visible CUDA device")
     with pytest.raises(ValueError, match="interpreter"):
         liger_torch.rms_norm(torch.randn(4, 8, device="cuda"), None)
+
+
+def test_repeated_calls_and_unaligned_views(device, seed):
+    """The torch executor caches compiled kernels per plan and pointer alignment (GPU): fresh data through a
+    cached launch, and a view whose data pointer is not 16-byte aligned, must both be right."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(96, generator=gen).to(device, torch.bfloat16)
+    for offset in (0, 0, 1, 0, 1):  # 1: the rows start 2 bytes into the buffer
+        buf = torch.randn(5 * 96 + 1, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+        g = torch.randn(5, 96, generator=gen).to(device, torch.bfloat16)
+        x = buf[offset:offset + 5 * 96].view(5, 96)
+        assert (x.data_ptr() % 16 == 0) == (offset == 0)
+        y = liger_torch.rms_norm(x, w)
+        y.backward(g.clone())
+        x_ref = x.detach().double().requires_grad_(True)
+        y_ref = reference(x_ref, w, 1e-6, 0.0, "llama")
+        y_ref.backward(g.double())
+        assert_close(y, y_ref, torch.bfloat16, "y")
+        assert_close(buf.grad[offset:offset + 5 * 96].view(5, 96), x_ref.grad, torch.bfloat16, "dx")

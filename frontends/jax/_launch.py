@@ -82,12 +82,17 @@ def run_plan(plan: Plan, **inputs) -> tuple[jax.Array, ...]:
     return _run_triton_call(plan, inputs)
 
 
+def _scalar(value):
+    """jax_triton types a Python float as fp64, Triton's own launcher as fp32: pass fp32, as torch does."""
+    return np.float32(value) if isinstance(value, float) else value
+
+
 def _run_triton_call(plan: Plan, inputs) -> tuple[jax.Array, ...]:
     jt = jax_triton()
     buffers = {name: inputs[name] for name in plan.inputs}
     for launch in plan.launches:
         array_names = launch.array_args()
-        args = [buffers[a.name] if isinstance(a, Buf) else a for a in launch.args]
+        args = [buffers[a.name] if isinstance(a, Buf) else _scalar(a) for a in launch.args]
         out_shape = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
         aliases = {array_names.index(o.alias): j for j, o in enumerate(launch.outputs) if o.alias is not None}
         zeroed = tuple(j for j, o in enumerate(launch.outputs) if o.zeroed)  # jax needs hashable params
