@@ -241,4 +241,7 @@ def test_fp16_rounding_points_match_hf(mode, device, seed):
     y_ref = w * normed.to(torch.float16) if mode == "llama" else (normed * w.float()).to(torch.float16)
     exact = (y == y_ref).float().mean().item()
     assert exact >= 0.99, f"only {exact:.2%} of y is bitwise HF's"
-    assert ((y.float() - y_ref.float()).abs() <= y_ref.float().abs() * 2 ** -10 + 2 ** -24).all()
+    # llama rounds twice (normed to fp16, then w * normed): a flipped rounding of normed moves y by up to
+    # |w| ulp(normed) plus y's own half ulp, i.e. up to 2 ulp of y; gemma rounds once (1 ulp).
+    ulps = 2 if mode == "llama" else 1
+    assert ((y.float() - y_ref.float()).abs() <= ulps * (y_ref.float().abs() * 2 ** -10 + 2 ** -24)).all()
