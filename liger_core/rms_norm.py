@@ -29,10 +29,11 @@ from .tl_math import cast, round_to
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 _LLAMA, _GEMMA, _NONE = 0, 1, 2
 # Launch configuration, from the H200 sweep in docs/perf-notes.md (scripts/tune_rms_norm.py):
-# forward: ~4k elements of x per program, 4-8 warps; backward: one persistent program per SM holding ~16k
-# elements per tile with 16 warps (larger tiles spill), the next tile prefetched.
+# forward: ~4k elements of x per program, 4-8 warps; backward: one persistent program per SM, 16 warps,
+# tiles of 8k elements with the next tile prefetched; a single row of 16k+ elements is its own tile, without
+# prefetch (two such tiles in registers halve occupancy: 0.21 ms against 0.14 ms at 4096 x 16384).
 _FORWARD_TILE = 4096
-_BACKWARD_TILE = 16384
+_BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 
 
@@ -214,7 +215,7 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
 def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offset: float = 0.0,
                   casting_mode: str = "llama", num_sms: int, in_place: bool = True, groups: int = 1,
                   programs_per_sm: int | None = None, block_m: int | None = None,
-                  num_warps: int | None = None, prefetch: bool = True) -> Plan:
+                  num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
     """Plan for ``dx, dw = rms_norm_backward(dy, x, weight, rstd)``.
 
     Inputs ``dy``, ``x``, ``rstd`` (and ``weight``); outputs ``dx`` (and ``dw`` with a weight). With
@@ -233,6 +234,8 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     rows_per_group = n_rows // groups
     block_m_default, block_n = _tile(n_cols, rows_per_group, _BACKWARD_TILE)
     block_m = block_m or block_m_default
+    if prefetch is None:
+        prefetch = block_m * block_n <= _BACKWARD_TILE
     per_sm = programs_per_sm or _BACKWARD_PROGRAMS_PER_SM
     n_programs = max(1, min(num_sms * per_sm, cdiv(rows_per_group, block_m)))
     rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
