@@ -21,8 +21,9 @@ from .launch import (
     warps_for,
 )
 from .reduce import sum_partials_launch
-from .rms_norm import CASTING_MODES, _check_inputs, _rows, output_dtype
-from .tl_math import round_to
+from .rms_norm import CASTING_MODES, _check_inputs, normalize_and_scale, output_dtype
+from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
+from .tl_math import cast, round_to
 
 # Launch configuration (not yet swept on the H200; the plans take overrides for tuning). Forward as RMSNorm's
 # tuned forward: ~4k elements of x per program. Backward: persistent, a few programs per SM; the tile is half of
@@ -30,11 +31,6 @@ from .tl_math import round_to
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 2
-
-
-def _tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
-    block_n = next_power_of_2(n_cols)
-    return max(1, min(16, elements // block_n, next_power_of_2(n_rows))), block_n
 
 
 @triton.jit
@@ -56,7 +52,7 @@ def _fused_add_rms_norm_forward_kernel(
     h_dtype = H.dtype.element_ty
     # The fp32 sum of two half-precision values rounded once to h's dtype is the half-precision sum.
     hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)
-    tl.store(H + rows[:, None] * n_cols + cols[None, :], hf.to(h_dtype), mask=mask)
+    tl.store(H + rows[:, None] * n_cols + cols[None, :], cast(hf, h_dtype), mask=mask)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
@@ -64,19 +60,10 @@ def _fused_add_rms_norm_forward_kernel(
     y_dtype = Y.dtype.element_ty
     if HAS_WEIGHT:
         scale = offset + tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-    if CASTING == 1:  # gemma: all fp32
-        y = hf * rstd[:, None]
-        if HAS_WEIGHT:
-            y = y * scale[None, :]
-    elif CASTING == 0:  # llama: normalise in fp32, round to h's dtype, scale in the output dtype
-        y = round_to(hf * rstd[:, None], h_dtype)
-        if HAS_WEIGHT:
-            y = y * round_to(scale, y_dtype)[None, :]
-    else:  # none: the statistic in fp32, the rest in h's dtype
-        y = round_to(hf * round_to(rstd, h_dtype)[:, None], h_dtype)
-        if HAS_WEIGHT:
-            y = y * round_to(scale, h_dtype)[None, :]
-    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(y_dtype), mask=mask)
+    else:
+        scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    y = normalize_and_scale(hf, rstd, scale, h_dtype, y_dtype, CASTING, HAS_WEIGHT)
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
 
 
 @triton.jit
@@ -158,9 +145,9 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
     ``weight_name`` is the weight's name in the caller's API, for error messages."""
     _check_pair(x, residual, weight, casting_mode, weight_name)
-    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
-    _, _, r_row_stride, r_col_stride = _rows(residual, "residual")
-    block_m_default, block_n = _tile(n_cols, n_rows, _FORWARD_TILE)
+    n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
+    _, _, r_row_stride, r_col_stride = row_view(residual, "residual")
+    block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
     block_m = block_m or block_m_default
     has_weight = weight is not None
     h_dtype = promote(x.dtype, residual.dtype)
@@ -179,11 +166,6 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
     )
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
-
-
-def _dense(row_stride: int, col_stride: int, n_rows: int, n_cols: int) -> bool:
-    """Rows that do not overlap (an expanded, stride-0 gradient's do): safe to write over."""
-    return col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -211,31 +193,20 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
         check_float(dh, "grad_residual")
     if not separate_residual_grad and x_dtype != residual_dtype:
         raise ValueError(f"x ({x_dtype}) and residual ({residual_dtype}) need separate gradients")
-    n_rows, n_cols, h_row_stride, h_col_stride = _rows(h, "h")
-    _, _, dy_row_stride, dy_col_stride = _rows(dy, "grad_output")
-    dh_row_stride, dh_col_stride = _rows(dh, "grad_residual")[2:] if dh is not None else (0, 0)
-    if n_rows % groups:
-        raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
-    rows_per_group = n_rows // groups
-    block_m_default, block_n = _tile(n_cols, rows_per_group, _BACKWARD_TILE)
+    n_rows, n_cols, h_row_stride, h_col_stride = row_view(h, "h")
+    _, _, dy_row_stride, dy_col_stride = row_view(dy, "grad_output")
+    dh_row_stride, dh_col_stride = row_view(dh, "grad_residual")[2:] if dh is not None else (0, 0)
+    group_rows = rows_in_group(n_rows, groups)
+    block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
-    per_sm = programs_per_sm or _BACKWARD_PROGRAMS_PER_SM
-    n_programs = max(1, min(num_sms * per_sm, cdiv(rows_per_group, block_m)))
-    rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
-    n_programs = cdiv(rows_per_group, rows_per_program)
-
-    if in_place and dy.dtype == x_dtype and _dense(dy_row_stride, dy_col_stride, n_rows, n_cols):
-        dx = NewBuffer("dx", dy.shape, x_dtype, alias="dy")
-        dx_strides = (dy_row_stride, dy_col_stride)
+    grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
+    n_programs = grid.n_programs
+    dx, *dx_strides = gradient_output("dx", h.shape, x_dtype, "dy" if in_place else None, dy, n_rows, n_cols)
+    if separate_residual_grad:
+        dr, *dr_strides = gradient_output("dresidual", h.shape, residual_dtype, "dh" if in_place else None, dh,
+                                          n_rows, n_cols)
     else:
-        dx, dx_strides = NewBuffer("dx", h.shape, x_dtype), (n_cols, 1)
-    if not separate_residual_grad:
         dr, dr_strides = NewBuffer("dresidual", (1,), residual_dtype), (0, 0)
-    elif (in_place and dh is not None and dh.dtype == residual_dtype
-          and _dense(dh_row_stride, dh_col_stride, n_rows, n_cols)):
-        dr, dr_strides = NewBuffer("dresidual", dh.shape, residual_dtype, alias="dh"), (dh_row_stride, dh_col_stride)
-    else:
-        dr, dr_strides = NewBuffer("dresidual", h.shape, residual_dtype), (n_cols, 1)
     has_weight = weight is not None
     main = Launch(
         kernel=_fused_add_rms_norm_backward_kernel,
@@ -245,7 +216,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
               Buf("h"), h_row_stride, h_col_stride,
               Buf("weight" if has_weight else "h"), weight.strides[0] if has_weight else 0,
               Buf("rstd"), *dx_strides, *dr_strides,
-              rows_per_group, n_cols, float(offset), rows_per_program),
+              group_rows, n_cols, float(offset), grid.rows_per_program),
         outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad},

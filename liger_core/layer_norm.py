@@ -22,7 +22,7 @@ from .launch import (
     promote, warps_for,
 )
 from .reduce import sum_partials_launch
-from .rms_norm import _rows
+from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 
 # Launch configuration (not yet swept on the H200; the plans take overrides for tuning). Forward as RMSNorm's
 # tuned forward: ~4k elements of x per program. Backward: persistent, a few programs per SM; the tile is half of
@@ -30,11 +30,6 @@ from .rms_norm import _rows
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 2
-
-
-def _tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
-    block_n = next_power_of_2(n_cols)
-    return max(1, min(16, elements // block_n, next_power_of_2(n_rows))), block_n
 
 
 @triton.jit
@@ -163,8 +158,8 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
     y_dtype = x.dtype if out_dtype is None else out_dtype
     if y_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {y_dtype}")
-    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
-    block_m_default, block_n = _tile(n_cols, n_rows, _FORWARD_TILE)
+    n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
+    block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
     block_m = block_m or block_m_default
     has_weight, has_bias = weight is not None, bias is not None
     launch = Launch(
@@ -199,26 +194,15 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"grad_output must have the shape of x {x.shape}, got {dy.shape}")
     check_float(dy, "grad_output")
-    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
-    _, _, dy_row_stride, dy_col_stride = _rows(dy, "grad_output")
-    if n_rows % groups:
-        raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
-    rows_per_group = n_rows // groups
-    block_m_default, block_n = _tile(n_cols, rows_per_group, _BACKWARD_TILE)
+    n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
+    _, _, dy_row_stride, dy_col_stride = row_view(dy, "grad_output")
+    group_rows = rows_in_group(n_rows, groups)
+    block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
-    per_sm = programs_per_sm or _BACKWARD_PROGRAMS_PER_SM
-    n_programs = max(1, min(num_sms * per_sm, cdiv(rows_per_group, block_m)))
-    rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
-    n_programs = cdiv(rows_per_group, rows_per_program)
-
-    # Writing dx over dy is safe only when dy's rows do not overlap (an expanded, stride-0 gradient does).
-    dy_dense = dy_col_stride == 1 and (n_rows == 1 or dy_row_stride >= n_cols)
-    if in_place and dy.dtype == x.dtype and dy_dense:
-        dx = NewBuffer("dx", dy.shape, x.dtype, alias="dy")
-        dx_row_stride, dx_col_stride = dy_row_stride, dy_col_stride
-    else:
-        dx = NewBuffer("dx", x.shape, x.dtype)
-        dx_row_stride, dx_col_stride = n_cols, 1
+    grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
+    n_programs = grid.n_programs
+    dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
+                                                       n_rows, n_cols)
     has_weight, has_bias = weight is not None, bias is not None
     partial_shape = (groups, n_programs, n_cols)
     main = Launch(
@@ -227,7 +211,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
         args=(Buf("dy"), dy_row_stride, dy_col_stride, Buf("x"), x_row_stride, x_col_stride,
               Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
               Buf("mean"), Buf("rstd"), dx_row_stride, dx_col_stride,
-              rows_per_group, n_cols, rows_per_program),
+              group_rows, n_cols, grid.rows_per_program),
         outputs=(dx, NewBuffer("dw_partial", partial_shape if has_weight else (1,), "float32"),
                  NewBuffer("db_partial", partial_shape if has_bias else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},

@@ -20,14 +20,14 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, collapse_rows,
-    next_power_of_2, promote, warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, next_power_of_2, promote,
+    warps_for,
 )
 from .reduce import sum_partials_launch
+from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 from .tl_math import cast, round_to
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
-_LLAMA, _GEMMA, _NONE = 0, 1, 2
 # Launch configuration, from the H200 sweep in docs/perf-notes.md (scripts/tune_rms_norm.py):
 # forward: ~4k elements of x per program, 4-8 warps; backward: one persistent program per SM, 16 warps,
 # tiles of 8k elements with the next tile prefetched; a single row of 16k+ elements is its own tile, without
@@ -35,6 +35,28 @@ _LLAMA, _GEMMA, _NONE = 0, 1, 2
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
+
+
+@triton.jit
+def normalize_and_scale(xf, rstd, scale, x_dtype: tl.constexpr, y_dtype: tl.constexpr, CASTING: tl.constexpr,
+                        HAS_WEIGHT: tl.constexpr):
+    """y of the casting mode from fp32 x (already in x's dtype's values), rstd per row and ``offset + w``.
+
+    Arithmetic stays in fp32, rounded where HF rounds: a product of two bf16/fp16 values is exact in fp32, so
+    rounding it once gives the half-precision product (and the interpreter cannot do bf16 arithmetic)."""
+    if CASTING == 1:  # gemma: all fp32
+        y = xf * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * scale[None, :]
+    elif CASTING == 0:  # llama: normalise in fp32, round to x's dtype, scale in the output dtype
+        y = round_to(xf * rstd[:, None], x_dtype)
+        if HAS_WEIGHT:
+            y = y * round_to(scale, y_dtype)[None, :]
+    else:  # none: the statistic in fp32, the rest in x's dtype
+        y = round_to(xf * round_to(rstd, x_dtype)[:, None], x_dtype)
+        if HAS_WEIGHT:
+            y = y * round_to(scale, x_dtype)[None, :]
+    return y
 
 
 @triton.jit
@@ -55,23 +77,12 @@ def _rms_norm_forward_kernel(
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
-    # Arithmetic stays in fp32, rounded where HF rounds: a product of two bf16/fp16 values is exact in fp32, so
-    # rounding it once gives the half-precision product (and the interpreter cannot do bf16 arithmetic).
     y_dtype = Y.dtype.element_ty
     if HAS_WEIGHT:
         scale = offset + tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-    if CASTING == 1:  # gemma: all fp32
-        y = xf * rstd[:, None]
-        if HAS_WEIGHT:
-            y = y * scale[None, :]
-    elif CASTING == 0:  # llama: normalise in fp32, round to x's dtype, scale in the output dtype
-        y = round_to((xf * rstd[:, None]), x.dtype)
-        if HAS_WEIGHT:
-            y = y * round_to(scale, y_dtype)[None, :]
-    else:  # none: the statistic in fp32, the rest in x's dtype
-        y = round_to(xf * round_to(rstd, x.dtype)[:, None], x.dtype)
-        if HAS_WEIGHT:
-            y = y * round_to(scale, x.dtype)[None, :]
+    else:
+        scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    y = normalize_and_scale(xf, rstd, scale, x.dtype, y_dtype, CASTING, HAS_WEIGHT)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
 
 
@@ -169,20 +180,6 @@ def output_dtype(x_dtype: str, weight_dtype: str | None, casting_mode: str) -> s
     return x_dtype
 
 
-def _rows(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
-    view = collapse_rows(info)
-    if view is None:
-        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
-                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
-    return view
-
-
-def _tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
-    block_n = next_power_of_2(n_cols)
-    block_m = max(1, min(16, elements // block_n, next_power_of_2(n_rows)))
-    return block_m, block_n
-
-
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: float = 0.0,
                  casting_mode: str = "llama", weight_name: str = "weight", block_m: int | None = None,
@@ -191,8 +188,8 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
 
     ``weight_name`` is the weight's name in the caller's API, for error messages."""
     _check_inputs(x, weight, casting_mode, weight_name)
-    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
-    block_m_default, block_n = _tile(n_cols, n_rows, _FORWARD_TILE)
+    n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
+    block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
     block_m = block_m or block_m_default
     has_weight = weight is not None
     y_dtype = output_dtype(x.dtype, weight.dtype if has_weight else None, casting_mode)
@@ -227,28 +224,17 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"grad_output must have the shape of x {x.shape}, got {dy.shape}")
     check_float(dy, "grad_output")
-    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, "x")
-    _, _, dy_row_stride, dy_col_stride = _rows(dy, "grad_output")
-    if n_rows % groups:
-        raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
-    rows_per_group = n_rows // groups
-    block_m_default, block_n = _tile(n_cols, rows_per_group, _BACKWARD_TILE)
+    n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
+    _, _, dy_row_stride, dy_col_stride = row_view(dy, "grad_output")
+    group_rows = rows_in_group(n_rows, groups)
+    block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
     if prefetch is None:
         prefetch = block_m * block_n <= _BACKWARD_TILE
-    per_sm = programs_per_sm or _BACKWARD_PROGRAMS_PER_SM
-    n_programs = max(1, min(num_sms * per_sm, cdiv(rows_per_group, block_m)))
-    rows_per_program = cdiv(cdiv(rows_per_group, n_programs), block_m) * block_m
-    n_programs = cdiv(rows_per_group, rows_per_program)
-
-    # Writing dx over dy is safe only when dy's rows do not overlap (an expanded, stride-0 gradient does).
-    dy_dense = dy_col_stride == 1 and (n_rows == 1 or dy_row_stride >= n_cols)
-    if in_place and dy.dtype == x.dtype and dy_dense:
-        dx = NewBuffer("dx", dy.shape, x.dtype, alias="dy")
-        dx_row_stride, dx_col_stride = dy_row_stride, dy_col_stride
-    else:
-        dx = NewBuffer("dx", x.shape, x.dtype)
-        dx_row_stride, dx_col_stride = n_cols, 1
+    grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
+    n_programs = grid.n_programs
+    dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
+                                                       n_rows, n_cols)
     has_weight = weight is not None
     partial_shape = (groups, n_programs, n_cols) if has_weight else (1,)
     main = Launch(
@@ -257,7 +243,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
         args=(Buf("dy"), dy_row_stride, dy_col_stride, Buf("x"), x_row_stride, x_col_stride,
               Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
               Buf("rstd"), dx_row_stride, dx_col_stride,
-              rows_per_group, n_cols, float(offset), rows_per_program),
+              group_rows, n_cols, float(offset), grid.rows_per_program),
         outputs=(dx, NewBuffer("dw_partial", partial_shape, "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "PREFETCH": prefetch},

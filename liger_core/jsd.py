@@ -1,0 +1,305 @@
+"""Generalized Jensen-Shannon divergence between a student and a teacher, with its gradient in the forward.
+
+Inputs are log-probabilities over the last (vocabulary) axis, row by row: ``student`` (log Q, differentiated)
+and ``teacher`` (log P, a constant: it gets no gradient). With ``M = beta * P + (1 - beta) * Q``, per row
+
+    0 < beta < 1:  JSD_beta = beta * KL(P || M) + (1 - beta) * KL(Q || M)
+    beta == 0:     KL(P || Q) = sum P * (log P - log Q)          (forward KL, F.kl_div(student, teacher))
+    beta == 1:     KL(Q || P) = sum Q * (log Q - log P)          (reverse KL, F.kl_div(teacher, student))
+
+This is the convention of TRL's ``generalized_jsd_loss`` (GKD) and Liger-Kernel's JSD. Note that JSD_beta
+itself goes to 0 at both ends (M becomes Q, resp. P); the endpoints are *defined* as the two KLs, which are the
+limits of ``JSD_beta / beta`` (beta -> 0) and ``JSD_beta / (1 - beta)`` (beta -> 1). So the loss is not
+continuous in beta at 0 and 1, by design.
+
+The loss is the mean over rows of the per-row sums: over the rows whose ``labels`` are not ``ignore_index``
+when labels are given (their count is computed first, by a small kernel, so every row's gradient is already
+that of the mean), over all rows otherwise. All rows ignored: loss 0 and a zero gradient (not NaN).
+
+Gradient with respect to the student's log-probabilities ``x = log Q`` (each element an independent input, as
+``F.kl_div`` treats its input), per element:
+
+    0 < beta < 1:  (1 - beta) * Q * (x - log M)
+    beta == 0:     -P
+    beta == 1:     Q * (x - log P + 1)
+
+A zero probability (log-probability -inf) contributes 0 to the loss and the gradient (0 * log 0 = 0).
+
+Kernel: one program per row, one sweep over vocabulary blocks in fp32 that sums the loss and writes the
+gradient (for an incoming gradient of 1; the backward scales it, :func:`backward_plan`). For the fused linear
+JSD (:mod:`liger_core.fused_linear_jsd`) the kernel instead makes a second sweep and writes the gradient with
+respect to the logits ``z`` the log-probabilities came from, ``x = log_softmax(z / T)``:
+``(g - softmax * sum(g)) / T``, over the log-probabilities in place.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import cross_entropy as ce
+from .launch import (
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_float, check_nonempty, check_same_shape, collapse_rows,
+    next_power_of_2, promote, warps_for,
+)
+from .reduce import sum_partials_launch
+from .tl_math import cast
+
+_MAX_BLOCK = 4096
+_COUNT_BLOCK = 1024
+
+
+@triton.jit
+def _count_kept_kernel(L, l_stride, n_rows, ignore_index, COUNT, BLOCK: tl.constexpr):
+    """COUNT[0] = number of rows whose label is not ignore_index (fp32, a fixed-order sum)."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_range = rows < n_rows
+        t = tl.load(L + rows.to(tl.int64) * l_stride, mask=in_range, other=0).to(tl.int64)
+        acc += (in_range & (t != ignore_index)).to(tl.float32)
+    tl.store(COUNT, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _pointwise(x, y, beta, MODE: tl.constexpr):
+    """(loss, d loss / d x) per element, fp32; x = student log-prob, y = teacher log-prob.
+    MODE 0: forward KL (beta 0), 1: reverse KL (beta 1), 2: generalized JSD."""
+    if MODE == 0:
+        p = tl.exp(y)
+        loss = tl.where(p == 0.0, 0.0, p * (y - x))
+        dx = -p
+    elif MODE == 1:
+        q = tl.exp(x)
+        loss = tl.where(q == 0.0, 0.0, q * (x - y))
+        dx = tl.where(q == 0.0, 0.0, loss + q)
+    else:
+        # log M = log(beta e^y + (1 - beta) e^x), shifted by max(x, y) so one exponential is 1: finite
+        # whenever x or y is.
+        m = tl.maximum(x, y)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        log_m = m + tl.log(beta * tl.exp(y - m) + (1.0 - beta) * tl.exp(x - m))
+        p = tl.exp(y)
+        q = tl.exp(x)
+        term_p = tl.where(p == 0.0, 0.0, p * (y - log_m))
+        term_q = tl.where(q == 0.0, 0.0, q * (x - log_m))
+        loss = beta * term_p + (1.0 - beta) * term_q
+        dx = (1.0 - beta) * term_q
+    return loss, dx
+
+
+@triton.jit
+def _jsd_kernel(
+    X, x_row_stride, x_col_stride,
+    Y, y_row_stride, y_col_stride,
+    LABELS, l_stride,
+    DENOM,
+    grad_row_stride, grad_col_stride,
+    n_cols, ignore_index, beta, scale, inv_temperature,
+    LOSS, GRAD,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_GRAD: tl.constexpr,
+    LOGITS_GRAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * x_row_stride
+    y_row = Y + row * y_row_stride
+    grad_row = GRAD + row * grad_row_stride
+    offsets = tl.arange(0, BLOCK)
+
+    if HAS_LABELS:
+        label = tl.load(LABELS + row * l_stride).to(tl.int64)
+        if label == ignore_index:
+            if HAS_GRAD:
+                for start in range(0, n_cols, BLOCK):
+                    cols = start + offsets
+                    tl.store(grad_row + cols * grad_col_stride,
+                             tl.zeros([BLOCK], dtype=tl.float32).to(GRAD.dtype.element_ty), mask=cols < n_cols)
+            tl.store(LOSS + row, 0.0)
+            return
+        denom = tl.load(DENOM)
+        row_scale = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+    else:
+        row_scale = scale
+
+    # Sweep 1: the loss, and the gradient (or, for logits, the row sum of the gradient).
+    loss_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    g_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        mask = cols < n_cols
+        x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
+        loss, dx = _pointwise(x, y, beta, MODE)
+        loss_acc += tl.where(mask, loss, 0.0)
+        if LOGITS_GRAD:
+            g_acc += tl.where(mask, dx, 0.0)
+        elif HAS_GRAD:
+            tl.store(grad_row + cols * grad_col_stride, cast(dx * row_scale, GRAD.dtype.element_ty), mask=mask)
+    tl.store(LOSS + row, tl.sum(loss_acc, axis=0) * row_scale)
+
+    # Sweep 2 (fused linear JSD): d loss / d z for x = log_softmax(z / T), written over x.
+    if LOGITS_GRAD:
+        g_sum = tl.sum(g_acc, axis=0)
+        factor = row_scale * inv_temperature
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offsets
+            mask = cols < n_cols
+            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
+            _, dx = _pointwise(x, y, beta, MODE)
+            dz = (dx - tl.exp(x) * g_sum) * factor
+            tl.store(grad_row + cols * grad_col_stride, cast(dz, GRAD.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def check_options(*, beta, ignore_index) -> None:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise TypeError(f"beta must be a float in [0, 1], got {beta!r}")
+    if not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+
+
+def _rows(info: ArrayInfo, name: str):
+    view = collapse_rows(info)
+    if view is None:
+        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
+                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
+    return view
+
+
+def check_inputs(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None, *,
+                 student_name: str = "student_logprobs", teacher_name: str = "teacher_logprobs",
+                 labels_name: str = "labels") -> None:
+    check_nonempty(student, student_name)
+    check_float(student, student_name)
+    check_float(teacher, teacher_name)
+    check_same_shape(student, student_name, teacher, teacher_name)
+    if labels is not None:
+        ce.check_target(labels, student.shape[:-1], labels_name)
+
+
+def output_dtype(student: ArrayInfo, teacher: ArrayInfo) -> str:
+    return promote(student.dtype, teacher.dtype)
+
+
+def _mode(beta: float) -> int:
+    beta = float(beta)
+    return 0 if beta == 0.0 else (1 if beta == 1.0 else 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launches and plans
+
+
+def count_launch(labels: ArrayInfo, ignore_index: int) -> Launch:
+    """``denom`` (1,) fp32: the number of labels that are not ``ignore_index``."""
+    n_rows = labels.numel
+    return Launch(
+        kernel=_count_kept_kernel,
+        grid=(1,),
+        args=(Buf("labels"), ce.target_stride(labels, "labels"), n_rows, int(ignore_index)),
+        outputs=(NewBuffer("denom", (1,), "float32"),),
+        constexprs={"BLOCK": min(_COUNT_BLOCK, next_power_of_2(n_rows))},
+        num_warps=4,
+    )
+
+
+def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None, *, beta: float,
+                ignore_index: int, n_total_rows: int, compute_grad: bool, in_place: bool,
+                logits_grad: bool = False, temperature: float = 1.0) -> Launch:
+    """The per-row kernel: fp32 ``loss_rows`` (n_rows,), already divided by the mean's divisor (input ``denom``
+    with labels, ``n_total_rows`` without), and ``grad`` (written over ``student`` with ``in_place``)."""
+    n_rows, n_cols, x_row_stride, x_col_stride = _rows(student, "student")
+    _, _, y_row_stride, y_col_stride = _rows(teacher, "teacher")
+    dense = x_col_stride == 1 and (n_rows == 1 or x_row_stride >= n_cols)
+    if compute_grad and in_place and dense:
+        grad = NewBuffer("grad", student.shape, student.dtype, alias="student")
+        g_row_stride, g_col_stride = x_row_stride, x_col_stride
+    elif compute_grad:
+        if logits_grad:
+            raise ValueError("the logits gradient is written over the student log-probabilities: they must be dense")
+        grad = NewBuffer("grad", student.shape, student.dtype)
+        g_row_stride, g_col_stride = n_cols, 1
+    else:
+        grad = NewBuffer("grad_unused", (1,), student.dtype)
+        g_row_stride, g_col_stride = 0, 0
+    has_labels = labels is not None
+    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
+    return Launch(
+        kernel=_jsd_kernel,
+        grid=(n_rows,),
+        # unused pointers point at the teacher, never at the student (which may be written over)
+        args=(Buf("student"), x_row_stride, x_col_stride, Buf("teacher"), y_row_stride, y_col_stride,
+              Buf("labels" if has_labels else "teacher"), ce.target_stride(labels, "labels") if has_labels else 0,
+              Buf("denom" if has_labels else "teacher"),
+              g_row_stride, g_col_stride,
+              n_cols, int(ignore_index), float(beta), 1.0 / max(int(n_total_rows), 1), 1.0 / float(temperature)),
+        outputs=(NewBuffer("loss_rows", (n_rows,), "float32"), grad),
+        constexprs={"BLOCK": block, "MODE": _mode(beta), "HAS_LABELS": has_labels,
+                    "HAS_GRAD": bool(compute_grad), "LOGITS_GRAD": bool(compute_grad and logits_grad)},
+        num_warps=warps_for(block, max_warps=8),
+    )
+
+
+def forward_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None = None, *, beta: float = 0.5,
+                 ignore_index: int = -100, compute_grad: bool = True, in_place: bool = False,
+                 student_name: str = "student_logprobs", teacher_name: str = "teacher_logprobs",
+                 labels_name: str = "labels") -> Plan:
+    """Plan for the loss of student / teacher log-probabilities (..., V), with optional integer ``labels`` (...).
+
+    Inputs ``student``, ``teacher`` (and ``labels``). Outputs ``loss`` (shape (), the promoted dtype of the two)
+    and, with ``compute_grad``, ``grad`` (d loss / d student for an incoming gradient of 1; student's shape and
+    dtype; written over the student with ``in_place`` when it is dense)."""
+    check_options(beta=beta, ignore_index=ignore_index)
+    check_inputs(student, teacher, labels, student_name=student_name, teacher_name=teacher_name,
+                 labels_name=labels_name)
+    n_rows = _rows(student, student_name)[0]
+    _rows(teacher, teacher_name)
+    launches = []
+    if labels is not None:
+        launches.append(count_launch(labels, ignore_index))
+    launches.append(rows_launch(student, teacher, labels, beta=beta, ignore_index=ignore_index,
+                                n_total_rows=n_rows, compute_grad=compute_grad, in_place=in_place))
+    launches.append(sum_partials_launch("loss_rows", "loss", 1, n_rows, 1, output_dtype(student, teacher),
+                                        out_shape=()))
+    inputs = ("student", "teacher", "labels") if labels is not None else ("student", "teacher")
+    return Plan(inputs=inputs, launches=tuple(launches), outputs=("loss", "grad") if compute_grad else ("loss",))
+
+
+def count_plan(n_rows: int, labels_dtype: str, ignore_index: int) -> Plan:
+    """``denom`` (1,) fp32 for the whole (flattened, contiguous) ``labels`` (n_rows,): the mean's divisor
+    over many chunks (see :func:`chunk_plan`)."""
+    launch = count_launch(ArrayInfo.contiguous((n_rows,), labels_dtype), ignore_index)
+    return Plan(inputs=("labels",), launches=(launch,), outputs=("denom",))
+
+
+def chunk_plan(rows: int, vocab: int, logprobs_dtype: str, labels_dtype: str | None, *, beta: float,
+               ignore_index: int, n_total_rows: int, temperature: float, compute_grad: bool) -> Plan:
+    """One chunk of contiguous (rows, V) log-probabilities ``log_softmax(z / temperature)`` of a larger batch
+    (fused linear JSD). Inputs ``student``, ``teacher`` (and ``labels`` (rows,) and ``denom`` from
+    :func:`count_plan`); outputs fp32 ``loss_rows`` (already divided by the whole batch's divisor:
+    ``denom``, or ``n_total_rows`` without labels) and, with ``compute_grad``, ``grad``: d loss / d z, written
+    over the student log-probabilities."""
+    student = ArrayInfo.contiguous((rows, vocab), logprobs_dtype)
+    labels = None if labels_dtype is None else ArrayInfo.contiguous((rows,), labels_dtype)
+    launch = rows_launch(student, student, labels, beta=beta, ignore_index=ignore_index,
+                         n_total_rows=n_total_rows, compute_grad=compute_grad, in_place=True, logits_grad=True,
+                         temperature=temperature)
+    inputs = ("student", "teacher") + (("labels", "denom") if labels is not None else ())
+    return Plan(inputs=inputs, launches=(launch,), outputs=("loss_rows", "grad") if compute_grad else ("loss_rows",))
+
+
+def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, in_place: bool = True) -> Plan:
+    """``dstudent = grad * grad_output`` (a scalar): inputs ``grad`` (from :func:`forward_plan`) and
+    ``grad_output``; output ``dlogits``, written over ``grad`` with ``in_place``."""
+    return ce.backward_plan(grad, grad_output, reduction="mean", in_place=in_place)
+
+
+def loss_plan(n_rows: int, dtype: str) -> Plan:
+    """Sum of the fp32 per-row losses ``rows`` into ``total`` (shape (), ``dtype``), in a fixed order."""
+    return ce.sum_rows_plan(n_rows, dtype)

@@ -1,0 +1,63 @@
+"""Launch planning shared by the row-wise families (RMSNorm, LayerNorm, fused add + RMSNorm).
+
+A row-wise kernel sees its input as (rows, last axis) by strides; the forward gives each program a tile of
+``block_m`` rows; the backward is persistent: ``n_programs`` per group walk ``rows_per_program`` rows each and
+leave one fp32 partial of each parameter gradient, reduced by :mod:`liger_core.reduce`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .launch import ArrayInfo, NewBuffer, cdiv, collapse_rows, next_power_of_2
+
+
+def row_view(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
+    """``(n_rows, n_cols, row_stride, col_stride)`` of an array folded into rows, or a ValueError naming it."""
+    view = collapse_rows(info)
+    if view is None:
+        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
+                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
+    return view
+
+
+def tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
+    """(block_m, block_n): whole rows (padded to a power of two), as many as fit ``elements`` (at most 16)."""
+    block_n = next_power_of_2(n_cols)
+    return max(1, min(16, elements // block_n, next_power_of_2(n_rows))), block_n
+
+
+def rows_in_group(n_rows: int, groups: int) -> int:
+    """Rows in each of ``groups`` equal blocks (a vmapped batch folded into rows)."""
+    if groups < 1 or n_rows % groups:
+        raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
+    return n_rows // groups
+
+
+@dataclass(frozen=True)
+class PersistentGrid:
+    n_programs: int
+    rows_per_program: int
+
+
+def persistent_grid(group_rows: int, block_m: int, num_sms: int, programs_per_sm: int) -> PersistentGrid:
+    """Split a group of rows over at most ``num_sms * programs_per_sm`` programs, whole tiles each."""
+    n_programs = max(1, min(num_sms * programs_per_sm, cdiv(group_rows, block_m)))
+    rows_per_program = cdiv(cdiv(group_rows, n_programs), block_m) * block_m
+    return PersistentGrid(cdiv(group_rows, rows_per_program), rows_per_program)
+
+
+def dense_rows(n_rows: int, n_cols: int, row_stride: int, col_stride: int) -> bool:
+    """True when no two elements of the rows view share memory (an expanded, stride-0 gradient does)."""
+    return col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
+
+
+def gradient_output(name: str, shape, dtype: str, over: str | None, over_info: ArrayInfo | None,
+                    n_rows: int, n_cols: int) -> tuple[NewBuffer, int, int]:
+    """The buffer a backward writes a gradient into, with its row and column strides: written over input
+    ``over`` (an incoming gradient) when that is safe — same dtype, rows that do not overlap — else fresh."""
+    if over is not None and over_info is not None and over_info.dtype == dtype:
+        _, _, row_stride, col_stride = row_view(over_info, over)
+        if dense_rows(n_rows, n_cols, row_stride, col_stride):
+            return NewBuffer(name, over_info.shape, dtype, alias=over), row_stride, col_stride
+    return NewBuffer(name, tuple(shape), dtype), n_cols, 1
