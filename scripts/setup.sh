@@ -12,4 +12,11 @@ if ! $PY -c "import torch, triton, jax, flax, jax_triton, pytest, xdist, transfo
   $PY -m pip install -q --disable-pip-version-check -e ".[dev]" "torch==2.13.0" "numpy<2.4" 2>&1 \
     | grep -v -E "^WARNING: (Running pip|Location)" || true
 fi
+# The packages must come from this checkout (an editable install of another clone would shadow it).
+here=$(pwd -P)
+installed=$($PY -c "import os, liger_core; print(os.path.dirname(os.path.dirname(os.path.realpath(liger_core.__file__))))" 2>/dev/null || true)
+if [ "$installed" != "$here" ]; then
+  $PY -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 \
+    | grep -v -E "^WARNING: (Running pip|Location)" || true
+fi
 $PY -c "import torch, triton, jax, flax, liger_torch, liger_jax; print('torch', torch.__version__, '| triton', triton.__version__, '| jax', jax.__version__, '| flax', flax.__version__)" 2>&1 | grep -v Warning
