@@ -3,7 +3,7 @@ against F.cross_entropy on fp32-upcast logits (eager and torch.compile), Liger-K
 
 from __future__ import annotations
 
-from .harness import Case, jax_runner, torch_fwd_bwd
+from .harness import TORCH_PROVIDERS, Case, eager_or_compiled, jax_runner, row_cases, torch_pass_runner
 
 SHAPES = [(8192, 128256), (8192, 32000), (16384, 256000)]
 QUICK = [(8192, 128256)]
@@ -26,8 +26,6 @@ def _torch_inputs(n, v, requires_grad):
 
 
 def _torch_provider(name):
-    import torch
-
     if name == "liger_torch":
         import liger_torch
 
@@ -37,15 +35,11 @@ def _torch_provider(name):
         import liger_torch
 
         return lambda x, t: liger_torch.cross_entropy(x, t, in_place=False)
-    if name == "torch_eager":
-        return hf_cross_entropy
-    if name == "torch_compile":
-        return torch.compile(hf_cross_entropy)
     if name == "liger_kernel":
         from liger_kernel.transformers.functional import liger_cross_entropy
 
         return lambda x, t: liger_cross_entropy(x, t, ignore_index=-100)
-    raise KeyError(name)
+    return eager_or_compiled(name, hf_cross_entropy)
 
 
 def _make_torch(name, n, v, pass_):
@@ -54,10 +48,7 @@ def _make_torch(name, n, v, pass_):
 
         fn = _torch_provider(name)
         logits, target = _torch_inputs(n, v, pass_ != "fwd")
-        if pass_ == "fwd":
-            return lambda: fn(logits, target)
-        run = torch_fwd_bwd(lambda x: fn(x, target), (logits,), torch.tensor(1.0, device="cuda"))
-        return run
+        return torch_pass_runner(lambda x: fn(x, target), (logits,), torch.tensor(1.0, device="cuda"), pass_)
 
     return make
 
@@ -85,15 +76,6 @@ def _make_jax(name, n, v, pass_):
 
 
 def cases(quick: bool = False) -> list[Case]:
-    out = []
-    for n, v in QUICK if quick else SHAPES:
-        for pass_ in ("fwd", "fwd+bwd"):
-            # fwd: the logits read once; fwd+bwd: read once and their gradient written once.
-            nbytes = (1 if pass_ == "fwd" else 2) * n * v * 2
-            for name in ("liger_torch", "liger_torch_copy", "torch_eager", "torch_compile", "liger_kernel"):
-                out.append(Case("cross_entropy", pass_, f"{n}x{v}", "bf16", name, "torch",
-                                _make_torch(name, n, v, pass_), bytes=nbytes))
-            for name in ("liger_jax", "xla"):
-                out.append(Case("cross_entropy", pass_, f"{n}x{v}", "bf16", name, "jax",
-                                _make_jax(name, n, v, pass_), bytes=nbytes))
-    return out
+    # fwd: the logits read once; fwd+bwd: read once and their gradient written once.
+    return row_cases("cross_entropy", QUICK if quick else SHAPES, _make_torch, _make_jax, {"fwd": 1, "fwd+bwd": 2},
+                     torch_names=("liger_torch", "liger_torch_copy") + TORCH_PROVIDERS[1:])

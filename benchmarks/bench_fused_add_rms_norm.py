@@ -4,7 +4,7 @@ Liger-Kernel and XLA."""
 
 from __future__ import annotations
 
-from .harness import Case, jax_runner
+from .harness import Case, eager_or_compiled, jax_pass_runner, row_cases, torch_pass_runner
 
 SHAPES = [(16384, 4096), (4096, 16384), (32768, 2048), (65536, 8192)]
 QUICK = [(16384, 4096), (4096, 16384)]
@@ -34,42 +34,22 @@ def _torch_inputs(n, h, requires_grad):
 
 
 def _torch_provider(name):
-    import torch
-
     if name == "liger_torch":
         import liger_torch
 
         return lambda x, r, w: liger_torch.fused_add_rms_norm(x, r, w, EPS)
-    if name == "torch_eager":
-        return hf_fused_add_rms_norm
-    if name == "torch_compile":
-        return torch.compile(hf_fused_add_rms_norm)
     if name == "liger_kernel":
         from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
         return lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)
-    raise KeyError(name)
-
-
-def _torch_fwd_bwd_two_outputs(fn, inputs, grads):
-    """Runner for forward + backward of ``fn(*inputs) -> (y, h)`` against fixed gradients of y and h."""
-    import torch
-
-    def run():
-        for t in inputs:
-            t.grad = None
-        torch.autograd.backward(fn(*inputs), grads)
-
-    return run
+    return eager_or_compiled(name, hf_fused_add_rms_norm)
 
 
 def _make_torch(name, n, h, pass_):
     def make():
         fn = _torch_provider(name)
         x, r, w, gy, gh = _torch_inputs(n, h, pass_ != "fwd")
-        if pass_ == "fwd":
-            return lambda: fn(x, r, w)
-        return _torch_fwd_bwd_two_outputs(fn, (x, r, w), (gy, gh))
+        return torch_pass_runner(fn, (x, r, w), (gy, gh), pass_)  # gradients through both outputs, y and h
 
     return make
 
@@ -94,23 +74,11 @@ def _make_jax(name, n, h, pass_):
                 hs = a + b
                 hf = hs.astype(jnp.float32)
                 return s * (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + EPS)).astype(hs.dtype), hs
-        if pass_ == "fwd":
-            return jax_runner(f, x, r, w)
-        return jax_runner(lambda a, b, s, dy, dh: jax.vjp(f, a, b, s)[1]((dy, dh)), x, r, w, gy, gh)
+        return jax_pass_runner(f, (x, r, w), (gy, gh), pass_)
 
     return make
 
 
 def cases(quick: bool = False) -> list[Case]:
-    out = []
-    for n, h in QUICK if quick else SHAPES:
-        for pass_ in ("fwd", "fwd+bwd"):
-            passes = 4 if pass_ == "fwd" else 9  # x, residual, y, h  (+ dy, dh, h again, dx, dresidual)
-            nbytes = passes * n * h * 2
-            for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel"):
-                out.append(Case("fused_add_rms_norm", pass_, f"{n}x{h}", "bf16", name, "torch",
-                                _make_torch(name, n, h, pass_), bytes=nbytes))
-            for name in ("liger_jax", "xla"):
-                out.append(Case("fused_add_rms_norm", pass_, f"{n}x{h}", "bf16", name, "jax",
-                                _make_jax(name, n, h, pass_), bytes=nbytes))
-    return out
+    # full tensors moved: x, residual, y, h  (+ dy, dh, h again, dx, dresidual)
+    return row_cases("fused_add_rms_norm", QUICK if quick else SHAPES, _make_torch, _make_jax, {"fwd": 4, "fwd+bwd": 9})

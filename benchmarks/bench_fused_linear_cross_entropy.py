@@ -4,7 +4,7 @@ cut_cross_entropy and matmul + optax under XLA. Peak extra memory is the point a
 
 from __future__ import annotations
 
-from .harness import Case, jax_runner, torch_fwd_bwd
+from .harness import TORCH_PROVIDERS, Case, eager_or_compiled, jax_runner, provider_cases, torch_pass_runner
 
 SHAPES = [(8192, 4096, 128256), (16384, 4096, 128256), (8192, 2048, 256000)]
 QUICK = [(8192, 4096, 128256)]
@@ -27,16 +27,10 @@ def _torch_inputs(n, h, v, requires_grad):
 
 
 def _torch_provider(name):
-    import torch
-
     if name == "liger_torch":
         import liger_torch
 
         return lambda x, w, t: liger_torch.fused_linear_cross_entropy(x, w, t)
-    if name == "torch_eager":
-        return matmul_cross_entropy
-    if name == "torch_compile":
-        return torch.compile(matmul_cross_entropy)
     if name == "liger_kernel":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -46,7 +40,7 @@ def _torch_provider(name):
         from cut_cross_entropy import linear_cross_entropy
 
         return lambda x, w, t: linear_cross_entropy(x, w, t)
-    raise KeyError(name)
+    return eager_or_compiled(name, matmul_cross_entropy)
 
 
 def _make_torch(name, n, h, v, pass_):
@@ -55,9 +49,7 @@ def _make_torch(name, n, h, v, pass_):
 
         fn = _torch_provider(name)
         x, w, target = _torch_inputs(n, h, v, pass_ != "fwd")
-        if pass_ == "fwd":
-            return lambda: fn(x, w, target)
-        return torch_fwd_bwd(lambda a, b: fn(a, b, target), (x, w), torch.tensor(1.0, device="cuda"))
+        return torch_pass_runner(lambda a, b: fn(a, b, target), (x, w), torch.tensor(1.0, device="cuda"), pass_)
 
     return make
 
@@ -92,10 +84,8 @@ def cases(quick: bool = False) -> list[Case]:
         for pass_ in ("fwd", "fwd+bwd"):
             # fwd: x @ W^T; fwd+bwd: that plus dx = dlogits @ W and dW = dlogits^T @ x.
             flops = (2 if pass_ == "fwd" else 6) * n * h * v
-            for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel", "cut_cross_entropy"):
-                out.append(Case("fused_linear_cross_entropy", pass_, f"{n}x{h}x{v}", "bf16", name, "torch",
-                                _make_torch(name, n, h, v, pass_), flops=flops))
-            for name in ("liger_jax", "xla"):
-                out.append(Case("fused_linear_cross_entropy", pass_, f"{n}x{h}x{v}", "bf16", name, "jax",
-                                _make_jax(name, n, h, v, pass_), flops=flops))
+            out += provider_cases("fused_linear_cross_entropy", pass_, f"{n}x{h}x{v}",
+                                  lambda name: _make_torch(name, n, h, v, pass_),
+                                  lambda name: _make_jax(name, n, h, v, pass_),
+                                  torch_names=TORCH_PROVIDERS + ("cut_cross_entropy",), flops=flops)
     return out

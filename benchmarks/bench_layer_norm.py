@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .harness import Case, jax_runner, torch_fwd_bwd
+from .harness import Case, eager_or_compiled, jax_pass_runner, row_cases, torch_pass_runner
 
 SHAPES = [(16384, 4096), (4096, 16384), (32768, 2048), (65536, 8192)]
 QUICK = [(16384, 4096), (4096, 16384)]
@@ -27,30 +27,22 @@ def _torch_inputs(n, h, requires_grad):
 
 
 def _torch_provider(name):
-    import torch
-
     if name == "liger_torch":
         import liger_torch
 
         return lambda x, w, b: liger_torch.layer_norm(x, w, b, EPS)
-    if name == "torch_eager":
-        return eager_layer_norm
-    if name == "torch_compile":
-        return torch.compile(eager_layer_norm)
     if name == "liger_kernel":
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
         return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
-    raise KeyError(name)
+    return eager_or_compiled(name, eager_layer_norm)
 
 
 def _make_torch(name, n, h, pass_):
     def make():
         fn = _torch_provider(name)
         x, w, b, g = _torch_inputs(n, h, pass_ != "fwd")
-        if pass_ == "fwd":
-            return lambda: fn(x, w, b)
-        return torch_fwd_bwd(fn, (x, w, b), g)
+        return torch_pass_runner(fn, (x, w, b), g, pass_)
 
     return make
 
@@ -76,23 +68,11 @@ def _make_jax(name, n, h, pass_):
                 var = jnp.mean(jnp.square(af - mean), -1, keepdims=True)
                 y = (af - mean) * (jax.lax.rsqrt(var + EPS) * s.astype(jnp.float32)) + c.astype(jnp.float32)
                 return y.astype(a.dtype)
-        if pass_ == "fwd":
-            return jax_runner(f, x, w, b)
-        return jax_runner(lambda a, s, c, d: jax.vjp(f, a, s, c)[1](d), x, w, b, g)
+        return jax_pass_runner(f, (x, w, b), g, pass_)
 
     return make
 
 
 def cases(quick: bool = False) -> list[Case]:
-    out = []
-    for n, h in QUICK if quick else SHAPES:
-        for pass_ in ("fwd", "fwd+bwd"):
-            passes = 2 if pass_ == "fwd" else 5  # x, y  (+ dy, x again, dx)
-            nbytes = passes * n * h * 2
-            for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel"):
-                out.append(Case("layer_norm", pass_, f"{n}x{h}", "bf16", name, "torch",
-                                _make_torch(name, n, h, pass_), bytes=nbytes))
-            for name in ("liger_jax", "xla"):
-                out.append(Case("layer_norm", pass_, f"{n}x{h}", "bf16", name, "jax", _make_jax(name, n, h, pass_),
-                                bytes=nbytes))
-    return out
+    # full tensors moved: x, y  (+ dy, x again, dx)
+    return row_cases("layer_norm", QUICK if quick else SHAPES, _make_torch, _make_jax, {"fwd": 2, "fwd+bwd": 5})

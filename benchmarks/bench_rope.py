@@ -4,7 +4,7 @@ XLA."""
 
 from __future__ import annotations
 
-from .harness import Case, jax_runner
+from .harness import Case, eager_or_compiled, jax_pass_runner, provider_cases, torch_pass_runner
 
 SHAPES = [(4, 4096, 32, 8, 128), (1, 16384, 32, 8, 128)]
 QUICK = [(4, 4096, 32, 8, 128)]
@@ -38,37 +38,22 @@ def _torch_inputs(b, t, hq, hk, d, requires_grad):
 
 
 def _torch_provider(name):
-    import torch
-
     if name == "liger_torch":
         import liger_torch
 
         return liger_torch.rope
-    if name == "torch_eager":
-        return hf_rope
-    if name == "torch_compile":
-        return torch.compile(hf_rope)
     if name == "liger_kernel":
         from liger_kernel.ops.rope import LigerRopeFunction
 
         return LigerRopeFunction.apply
-    raise KeyError(name)
+    return eager_or_compiled(name, hf_rope)
 
 
 def _make_torch(name, shape, pass_):
     def make():
-        import torch
-
         fn = _torch_provider(name)
         q, k, cos, sin, gq, gk = _torch_inputs(*shape, pass_ != "fwd")
-        if pass_ == "fwd":
-            return lambda: fn(q, k, cos, sin)
-
-        def run():
-            q.grad = k.grad = None
-            torch.autograd.backward(fn(q, k, cos, sin), (gq, gk))
-
-        return run
+        return torch_pass_runner(lambda a, b: fn(a, b, cos, sin), (q, k), (gq, gk), pass_)
 
     return make
 
@@ -100,9 +85,7 @@ def _make_jax(name, shape, pass_):
 
                 c, s = cos[:, :, None], sin[:, :, None]
                 return x * c + rot(x) * s, y * c + rot(y) * s
-        if pass_ == "fwd":
-            return jax_runner(f, q, k)
-        return jax_runner(lambda x, y, dx, dy: jax.vjp(f, x, y)[1]((dx, dy)), q, k, gq, gk)
+        return jax_pass_runner(f, (q, k), (gq, gk), pass_)
 
     return make
 
@@ -115,10 +98,6 @@ def cases(quick: bool = False) -> list[Case]:
         label = f"B{b} T{t} H{hq}/{hk} D{d}"
         for pass_ in ("fwd", "fwd+bwd"):
             nbytes = (2 if pass_ == "fwd" else 4) * qk_bytes  # q, k in and out (+ dq, dk in and out)
-            for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel"):
-                out.append(Case("rope", pass_, label, "bf16", name, "torch", _make_torch(name, shape, pass_),
-                                bytes=nbytes))
-            for name in ("liger_jax", "xla"):
-                out.append(Case("rope", pass_, label, "bf16", name, "jax", _make_jax(name, shape, pass_),
-                                bytes=nbytes))
+            out += provider_cases("rope", pass_, label, lambda name: _make_torch(name, shape, pass_),
+                                  lambda name: _make_jax(name, shape, pass_), bytes=nbytes)
     return out

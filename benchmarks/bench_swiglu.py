@@ -3,7 +3,9 @@ ours (torch, jax) against HF eager, torch.compile, Liger-Kernel and XLA."""
 
 from __future__ import annotations
 
-from .harness import Case, jax_runner, torch_fwd_bwd
+import functools
+
+from .harness import Case, eager_or_compiled, jax_pass_runner, row_cases, torch_pass_runner
 
 SHAPES = [(16384, 14336)]
 QUICK = [(16384, 14336)]
@@ -29,8 +31,6 @@ def _torch_inputs(n, h, requires_grad):
 
 
 def _torch_provider(kernel, name):
-    import torch
-
     if name == "liger_torch":
         import liger_torch
 
@@ -39,10 +39,6 @@ def _torch_provider(kernel, name):
         if kernel == "swiglu":
             return lambda a, b: liger_torch.swiglu(a, b)
         return lambda a, b: liger_torch.geglu(a, b, "tanh")
-    if name == "torch_eager":
-        return hf_gated(kernel)
-    if name == "torch_compile":
-        return torch.compile(hf_gated(kernel))
     if name == "liger_kernel":
         if kernel == "swiglu":
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -51,16 +47,14 @@ def _torch_provider(kernel, name):
         from liger_kernel.ops.geglu import LigerGELUMulFunction
 
         return LigerGELUMulFunction.apply
-    raise KeyError(name)
+    return eager_or_compiled(name, hf_gated(kernel))
 
 
 def _make_torch(kernel, name, n, h, pass_):
     def make():
         fn = _torch_provider(kernel, name)
         a, b, g = _torch_inputs(n, h, pass_ != "fwd")
-        if pass_ == "fwd":
-            return lambda: fn(a, b)
-        return torch_fwd_bwd(fn, (a, b), g)
+        return torch_pass_runner(fn, (a, b), g, pass_)
 
     return make
 
@@ -82,9 +76,7 @@ def _make_jax(kernel, name, n, h, pass_):
             f = lambda x, y: jax.nn.silu(x) * y
         else:
             f = lambda x, y: jax.nn.gelu(x, approximate=True) * y
-        if pass_ == "fwd":
-            return jax_runner(f, a, b)
-        return jax_runner(lambda x, y, d: jax.vjp(f, x, y)[1](d), a, b, g)
+        return jax_pass_runner(f, (a, b), g, pass_)
 
     return make
 
@@ -92,14 +84,7 @@ def _make_jax(kernel, name, n, h, pass_):
 def cases(quick: bool = False) -> list[Case]:
     out = []
     for kernel in KERNELS:
-        for n, h in QUICK if quick else SHAPES:
-            for pass_ in ("fwd", "fwd+bwd"):
-                passes = 3 if pass_ == "fwd" else 8  # a, b, c  (+ dc, a, b again, da, db)
-                nbytes = passes * n * h * 2
-                for name in ("liger_torch", "torch_eager", "torch_compile", "liger_kernel"):
-                    out.append(Case(kernel, pass_, f"{n}x{h}", "bf16", name, "torch",
-                                    _make_torch(kernel, name, n, h, pass_), bytes=nbytes))
-                for name in ("liger_jax", "xla"):
-                    out.append(Case(kernel, pass_, f"{n}x{h}", "bf16", name, "jax",
-                                    _make_jax(kernel, name, n, h, pass_), bytes=nbytes))
+        # full tensors moved: a, b, c  (+ dc, a, b again, da, db)
+        out += row_cases(kernel, QUICK if quick else SHAPES, functools.partial(_make_torch, kernel),
+                         functools.partial(_make_jax, kernel), {"fwd": 3, "fwd+bwd": 8})
     return out

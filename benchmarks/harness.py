@@ -219,13 +219,69 @@ def jax_runner(fn, *args):
     return run
 
 
+TORCH_PROVIDERS = ("liger_torch", "torch_eager", "torch_compile", "liger_kernel")
+JAX_PROVIDERS = ("liger_jax", "xla")
+
+
+def provider_cases(kernel, pass_, shape, make_torch, make_jax, torch_names=TORCH_PROVIDERS,
+                   jax_names=JAX_PROVIDERS, dtype="bf16", bytes=0, flops=0) -> list[Case]:
+    """The cases of one kernel, pass and shape: one per torch provider, then one per jax provider, with
+    ``make_torch(name)`` / ``make_jax(name)`` as each one's ``make``."""
+    return ([Case(kernel, pass_, shape, dtype, name, "torch", make_torch(name), bytes=bytes, flops=flops)
+             for name in torch_names]
+            + [Case(kernel, pass_, shape, dtype, name, "jax", make_jax(name), bytes=bytes, flops=flops)
+               for name in jax_names])
+
+
+def row_cases(kernel, shapes, make_torch, make_jax, tensors_moved, torch_names=TORCH_PROVIDERS) -> list[Case]:
+    """The cases of a kernel over bf16 (rows, width) tensors: for each shape in ``shapes``, each pass, the
+    provider cases, ``make_torch(name, rows, width, pass_)`` / ``make_jax(...)`` giving each ``make``, with
+    bytes = ``tensors_moved[pass_]`` full tensors of 2-byte elements."""
+    out = []
+    for n, h in shapes:
+        for pass_ in ("fwd", "fwd+bwd"):
+            out += provider_cases(kernel, pass_, f"{n}x{h}", lambda name: make_torch(name, n, h, pass_),
+                                  lambda name: make_jax(name, n, h, pass_), torch_names=torch_names,
+                                  bytes=tensors_moved[pass_] * n * h * 2)
+    return out
+
+
+def eager_or_compiled(name, eager):
+    """The ``torch_eager`` provider (``eager`` itself) or the ``torch_compile`` one (``torch.compile(eager)``)."""
+    if name == "torch_eager":
+        return eager
+    if name == "torch_compile":
+        import torch
+
+        return torch.compile(eager)
+    raise KeyError(name)
+
+
 def torch_fwd_bwd(fn, inputs, grad):
-    """Runner for forward + backward of ``fn(*inputs)`` against a fixed output gradient."""
+    """Runner for forward + backward of ``fn(*inputs)`` against a fixed output gradient (a tuple of them where
+    ``fn`` returns a tuple)."""
+    import torch
 
     def run():
         for t in inputs:
             t.grad = None
-        out = fn(*inputs)
-        out.backward(grad)
+        torch.autograd.backward(fn(*inputs), grad)
 
     return run
+
+
+def torch_pass_runner(fn, inputs, grad, pass_):
+    """``fwd``: a runner of ``fn(*inputs)``; ``fwd+bwd``: ``torch_fwd_bwd(fn, inputs, grad)``."""
+    if pass_ == "fwd":
+        return lambda: fn(*inputs)
+    return torch_fwd_bwd(fn, inputs, grad)
+
+
+def jax_pass_runner(f, inputs, cotangent, pass_):
+    """``fwd``: ``jax_runner(f, *inputs)``; ``fwd+bwd``: the jitted vjp of ``f`` at ``inputs`` applied to
+    ``cotangent`` (a tuple of them where ``f`` returns a tuple), inputs and cotangent passed as arguments."""
+    import jax
+
+    if pass_ == "fwd":
+        return jax_runner(f, *inputs)
+    return jax_runner(lambda args, d: jax.vjp(f, *args)[1](d), tuple(inputs), cotangent)

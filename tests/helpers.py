@@ -83,3 +83,61 @@ def assert_parity(torch_result, jax_result, name=""):
     eps = half or float(np.finfo(a.dtype).eps)
     scale = float(np.max(np.abs(a))) if a.size else 0.0
     np.testing.assert_allclose(a, b, rtol=4 * eps, atol=4 * eps * scale, err_msg=name)
+
+
+def to_torch(array, device):
+    """numpy (or jax) array -> torch tensor on device, bit for bit (bf16 through a 16-bit view)."""
+    import jax.numpy as jnp
+
+    array = np.asarray(array)
+    if array.dtype == jnp.bfloat16:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).to(device)
+    return torch.from_numpy(array.copy()).to(device)
+
+
+def as_numpy(t):
+    """torch tensor -> numpy array, bit for bit (bf16 as ml_dtypes' bfloat16 through a 16-bit view)."""
+    import jax.numpy as jnp
+
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def f32(a):
+    """A jax array as a float32 numpy array (for assert_close)."""
+    import jax.numpy as jnp
+
+    return np.asarray(a.astype(jnp.float32))
+
+
+def non_contiguous(layout, gen, device):
+    """A non-contiguous float32 x with 123 columns, drawn from gen, in one of three layouts."""
+    if layout == "row_slice":  # rows of a wider buffer: handled by strides, no copy
+        x = torch.randn(7, 200, generator=gen).to(device)[:, 11:134]
+    elif layout == "transposed_leading":  # leading axes that do not fold: copied
+        x = torch.randn(5, 3, 123, generator=gen).to(device).transpose(0, 1)
+    else:  # every other column
+        assert layout == "strided_columns", layout
+        x = torch.randn(7, 246, generator=gen).to(device)[:, ::2]
+    assert not x.is_contiguous()
+    return x
+
+
+def assert_checkpoint_same_grad(f, args):
+    """jax.grad of f equals jax.grad of jax.checkpoint(f) under jit, bit for bit (all arguments)."""
+    import jax
+
+    argnums = tuple(range(len(args)))
+    plain = jax.grad(f, argnums=argnums)(*args)
+    remat = jax.jit(jax.grad(jax.checkpoint(f), argnums=argnums))(*args)
+    for a, b in zip(plain, remat):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def assert_grad_deterministic(f, args):
+    """Two calls of the same jitted jax.grad of f (all arguments) give bitwise equal gradients."""
+    import jax
+
+    g = jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))
+    for a, b in zip(g(*args), g(*args)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

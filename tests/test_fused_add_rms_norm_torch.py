@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import liger_torch
-from helpers import assert_close
+from helpers import assert_close, non_contiguous
 
 # Triton's interpreter converts fp32 to bf16 by truncation (round toward zero; compiled kernels round to
 # nearest even), so each bf16 rounding point may be one ulp off the reference's instead of half an ulp.
@@ -117,15 +117,9 @@ def test_mixed_dtypes(device, seed):
 @pytest.mark.parametrize("layout", ["row_slice", "strided_columns", "transposed_leading"])
 def test_non_contiguous_inputs(layout, device, seed):
     gen = torch.Generator().manual_seed(seed)
-    if layout == "row_slice":
-        x = torch.randn(7, 200, generator=gen).to(device)[:, 11:134]
-    elif layout == "strided_columns":
-        x = torch.randn(7, 246, generator=gen).to(device)[:, ::2]
-    else:
-        x = torch.randn(5, 3, 123, generator=gen).to(device).transpose(0, 1)
+    x = non_contiguous(layout, gen, device)
     r = torch.randn(123, x.numel() // 123, generator=gen).to(device).t().reshape(x.shape)  # column-major rows
     assert not r.is_contiguous()
-    assert not x.is_contiguous()
     w = torch.randn(123, generator=gen).to(device)
     gy, gh = (torch.randn(x.shape, generator=gen).to(device) for _ in range(2))
     got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import liger_jax
-from helpers import assert_close, x64
+from helpers import assert_checkpoint_same_grad, assert_close, assert_grad_deterministic, f32, x64
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -41,10 +41,6 @@ def loss_of(norm, probe):
 def ref_grads(x, scale, bias, probe, argnums=(0, 1, 2)):
     with x64():
         return jax.grad(lambda a, s, b: jnp.sum(reference(a, s, b) * probe), argnums=argnums)(x, scale, bias)
-
-
-def f32(a):
-    return np.asarray(a.astype(jnp.float32))
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 123), (3, 5, 96)])
@@ -137,18 +133,12 @@ def test_nested_vmap(seed):
 
 def test_checkpoint_gives_the_same_gradient(seed):
     x, scale, bias, probe = draw(seed, (7, 123), jnp.float32)
-    f = loss_of(liger_jax.layer_norm, probe)
-    plain = jax.grad(f, argnums=(0, 1, 2))(x, scale, bias)
-    remat = jax.jit(jax.grad(jax.checkpoint(f), argnums=(0, 1, 2)))(x, scale, bias)
-    for a, b in zip(plain, remat):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_checkpoint_same_grad(loss_of(liger_jax.layer_norm, probe), (x, scale, bias))
 
 
 def test_bitwise_deterministic(seed):
     x, scale, bias, probe = draw(seed, (64, 257), jnp.float32)
-    g = jax.jit(jax.grad(loss_of(liger_jax.layer_norm, probe), argnums=(0, 1, 2)))
-    for a, b in zip(g(x, scale, bias), g(x, scale, bias)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_grad_deterministic(loss_of(liger_jax.layer_norm, probe), (x, scale, bias))
 
 
 @pytest.mark.parametrize("kwargs", [

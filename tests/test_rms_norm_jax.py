@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import liger_jax
-from helpers import assert_close, x64
+from helpers import assert_checkpoint_same_grad, assert_close, assert_grad_deterministic, f32, x64
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -49,14 +49,14 @@ def test_forward_and_grads_under_jit(shape, mode, offset, dtype, seed):
     ref = lambda a, s: reference(a, s, 1e-6, offset, mode)
     y = jax.jit(ours)(x, scale)
     assert y.dtype == (jnp.promote_types(dtype, dtype) if mode == "llama" else dtype)
-    assert_close(np.asarray(y.astype(jnp.float32)), np.asarray(ref(x, scale)), dtype, "y")
+    assert_close(f32(y), np.asarray(ref(x, scale)), dtype, "y")
     dx, ds = jax.jit(jax.grad(loss_fn(ours, probe), argnums=(0, 1)))(x, scale)
     with x64():
         dx_ref, ds_ref = jax.grad(lambda a, s: jnp.sum(ref(a, s) * probe), argnums=(0, 1))(x, scale)
     assert dx.dtype == dtype and ds.dtype == dtype
     rows = x.size // shape[-1]
-    assert_close(np.asarray(dx.astype(jnp.float32)), np.asarray(dx_ref), dtype, "dx")
-    assert_close(np.asarray(ds.astype(jnp.float32)), np.asarray(ds_ref), dtype, "dscale", scale=max(1.0, rows ** 0.5))
+    assert_close(f32(dx), np.asarray(dx_ref), dtype, "dx")
+    assert_close(f32(ds), np.asarray(ds_ref), dtype, "dscale", scale=max(1.0, rows ** 0.5))
 
 
 def test_without_scale(seed):
@@ -97,18 +97,12 @@ def test_nested_vmap(seed):
 
 def test_checkpoint_gives_the_same_gradient(seed):
     x, scale, probe = draw(seed, (7, 123), jnp.float32)
-    f = loss_fn(liger_jax.rms_norm, probe)
-    plain = jax.grad(f, argnums=(0, 1))(x, scale)
-    remat = jax.jit(jax.grad(jax.checkpoint(f), argnums=(0, 1)))(x, scale)
-    for a, b in zip(plain, remat):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_checkpoint_same_grad(loss_fn(liger_jax.rms_norm, probe), (x, scale))
 
 
 def test_bitwise_deterministic(seed):
     x, scale, probe = draw(seed, (64, 257), jnp.float32)
-    g = jax.jit(jax.grad(loss_fn(liger_jax.rms_norm, probe), argnums=(0, 1)))
-    for a, b in zip(g(x, scale), g(x, scale)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_grad_deterministic(loss_fn(liger_jax.rms_norm, probe), (x, scale))
 
 
 @pytest.mark.parametrize("dtype,param_dtype", [(None, jnp.float32), (jnp.bfloat16, jnp.float32),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import liger_torch
-from helpers import assert_close
+from helpers import assert_close, non_contiguous
 
 SHAPES = [(1, 64), (7, 123), (3, 5, 96), (2, 1000)]
 MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("llama", 0.5)]
@@ -80,13 +80,7 @@ def test_mixed_dtypes_follow_hf_promotion(device, seed):
 @pytest.mark.parametrize("layout", ["row_slice", "transposed_leading", "strided_columns"])
 def test_non_contiguous_input(layout, device, seed):
     gen = torch.Generator().manual_seed(seed)
-    if layout == "row_slice":  # rows of a wider buffer: handled by strides, no copy
-        x = torch.randn(7, 200, generator=gen).to(device)[:, 11:134]
-    elif layout == "transposed_leading":  # leading axes that do not fold: copied
-        x = torch.randn(5, 3, 123, generator=gen).to(device).transpose(0, 1)
-    else:  # every other column
-        x = torch.randn(7, 246, generator=gen).to(device)[:, ::2]
-    assert not x.is_contiguous()
+    x = non_contiguous(layout, gen, device)
     w = torch.randn(123, generator=gen).to(device)
     g = torch.randn(x.shape, generator=gen).to(device)
     y, dx, dw = grads_of(lambda a, b: liger_torch.rms_norm(a, b), x, w, g.clone())

@@ -7,29 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import liger_jax
 import liger_torch
-from helpers import assert_parity
+from helpers import assert_parity, as_numpy, to_torch
 
 OPTIONS = {
     "plain": {},
     "weight_smoothing": {"weight": True, "label_smoothing": 0.1},
     "z_softcap": {"lse_square_scale": 1e-3, "softcap": 5.0},
 }
-
-
-def to_torch(array, device):
-    array = np.asarray(array)
-    if array.dtype == jnp.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(array.copy()).to(device)
-
-
-def as_numpy(t):
-    t = t.detach().cpu()
-    return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import liger_jax
 import liger_torch
-from test_cross_entropy_parity import as_numpy, to_torch
+from helpers import as_numpy, to_torch
 
 TOL = {"float32": 2e-6, "bfloat16": 1.6e-2}
 

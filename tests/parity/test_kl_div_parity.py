@@ -7,8 +7,7 @@ import pytest
 
 import liger_jax
 import liger_torch
-from helpers import assert_parity
-from test_cross_entropy_parity import as_numpy, to_torch
+from helpers import assert_parity, as_numpy, to_torch
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "batchmean"])

@@ -11,16 +11,9 @@ import torch
 
 import liger_jax
 import liger_torch
-from helpers import assert_parity
+from helpers import assert_parity, to_torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def to_torch(array, device):
-    array = np.asarray(array)
-    if array.dtype == jnp.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(array.copy()).to(device)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200)])

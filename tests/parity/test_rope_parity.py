@@ -9,19 +9,7 @@ import torch
 
 import liger_jax
 import liger_torch
-from helpers import assert_parity
-
-
-def to_torch(array, device):
-    array = np.ascontiguousarray(array)
-    if array.dtype == jnp.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(array.copy()).to(device)
-
-
-def as_numpy(t):
-    t = t.detach().cpu()
-    return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+from helpers import assert_parity, as_numpy, to_torch
 
 
 @pytest.mark.parametrize("seq,heads,dim", [(1, (4, 4), 64), (7, (8, 1), 128), (3, (8, 2), 96)])

@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import liger_jax
 import liger_torch
-from helpers import assert_parity
+from helpers import assert_parity, as_numpy, to_torch
 
 OPS = {
     "swiglu": (liger_torch.swiglu, liger_jax.swiglu),
@@ -16,18 +15,6 @@ OPS = {
     "geglu_erf": (lambda a, b: liger_torch.geglu(a, b, "none"),
                   lambda a, b: liger_jax.geglu(a, b, approximate="none")),
 }
-
-
-def to_torch(array, device):
-    array = np.asarray(array)
-    if array.dtype == jnp.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(array.copy()).to(device)
-
-
-def as_numpy(t):
-    t = t.detach().cpu()
-    return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200)])
