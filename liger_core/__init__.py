@@ -10,6 +10,7 @@ from . import runtime
 INTERPRET = runtime.configure()
 
 from . import cross_entropy, fused_add_rms_norm, fused_linear_cross_entropy, kl_div, launch, layer_norm, reduce, rms_norm, rope, swiglu  # noqa: E402  (after the interpreter decision)
+from . import fused_linear_jsd, jsd  # noqa: E402
 from .launch import ArrayInfo, Buf, Launch, NewBuffer, Plan  # noqa: E402
 
 # Programs per "multiprocessor" when kernels run in the interpreter: fixed, so that the torch and the jax

@@ -65,24 +65,27 @@ def _count_kept_kernel(L, l_stride, n_rows, ignore_index, COUNT, BLOCK: tl.const
 def _pointwise(x, y, beta, MODE: tl.constexpr):
     """(loss, d loss / d x) per element, fp32; x = student log-prob, y = teacher log-prob.
     MODE 0: forward KL (beta 0), 1: reverse KL (beta 1), 2: generalized JSD."""
+    # Where a probability is 0 its factor of the term is replaced by 0 before multiplying, so that 0 * log 0 is
+    # 0 and no NaN is formed (a term is still +inf where the divergence is: e.g. P > 0 = Q for beta 0).
     if MODE == 0:
         p = tl.exp(y)
-        loss = tl.where(p == 0.0, 0.0, p * (y - x))
+        loss = p * (tl.where(p == 0.0, 0.0, y) - tl.where(p == 0.0, 0.0, x))
         dx = -p
     elif MODE == 1:
         q = tl.exp(x)
-        loss = tl.where(q == 0.0, 0.0, q * (x - y))
-        dx = tl.where(q == 0.0, 0.0, loss + q)
+        loss = q * (tl.where(q == 0.0, 0.0, x) - tl.where(q == 0.0, 0.0, y))
+        dx = loss + q
     else:
         # log M = log(beta e^y + (1 - beta) e^x), shifted by max(x, y) so one exponential is 1: finite
-        # whenever x or y is.
+        # whenever x or y is (and set to 0 where both probabilities are 0, which then multiply it by 0).
         m = tl.maximum(x, y)
         m = tl.where(m == float("-inf"), 0.0, m)
-        log_m = m + tl.log(beta * tl.exp(y - m) + (1.0 - beta) * tl.exp(x - m))
+        e = beta * tl.exp(y - m) + (1.0 - beta) * tl.exp(x - m)
+        log_m = m + tl.log(tl.where(e == 0.0, 1.0, e))
         p = tl.exp(y)
         q = tl.exp(x)
-        term_p = tl.where(p == 0.0, 0.0, p * (y - log_m))
-        term_q = tl.where(q == 0.0, 0.0, q * (x - log_m))
+        term_p = p * tl.where(p == 0.0, 0.0, y - log_m)
+        term_q = q * tl.where(q == 0.0, 0.0, x - log_m)
         loss = beta * term_p + (1.0 - beta) * term_q
         dx = (1.0 - beta) * term_q
     return loss, dx

@@ -9,6 +9,8 @@ import liger_core
 from .rms_norm import rms_norm
 from .cross_entropy import cross_entropy
 from .kl_div import kl_div
+from .jsd import jsd
+from .fused_linear_jsd import fused_linear_jsd
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .layer_norm import layer_norm
 from .fused_add_rms_norm import fused_add_rms_norm
@@ -26,5 +28,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["INTERPRET", "rms_norm", "nnx", "cross_entropy", "fused_linear_cross_entropy", "kl_div", "layer_norm", "fused_add_rms_norm", "rope", "swiglu", "geglu"]
+__all__ = ["INTERPRET", "rms_norm", "nnx", "cross_entropy", "fused_linear_cross_entropy", "kl_div", "jsd", "fused_linear_jsd", "layer_norm", "fused_add_rms_norm", "rope", "swiglu", "geglu"]
 __version__ = liger_core.__version__

@@ -1,0 +1,76 @@
+"""Generalized JSD for jax: ``custom_vjp`` wiring around :mod:`liger_core.jsd`.
+
+The forward rule computes the loss and d loss / d student in one kernel; the backward rule scales that
+gradient by the cotangent. Called without differentiation (the primal), no gradient is computed. Under
+``jax.vmap`` each example is one launch (``lax.map``): the mean is per example.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from liger_core import jsd as core
+
+from ._launch import as_array, info, run_plan
+from .cross_entropy import _mapped_over_batch
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_op(beta: float, ignore_index: int, has_labels: bool, compute_grad: bool):
+    def forward(student, teacher, *labels):
+        plan = core.forward_plan(info(student), info(teacher), info(labels[0]) if has_labels else None, beta=beta,
+                                 ignore_index=ignore_index, compute_grad=compute_grad)
+        return run_plan(plan, student=student, teacher=teacher, labels=labels[0] if has_labels else None)
+
+    return _mapped_over_batch(forward, 1 + int(compute_grad))
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_op():
+    def backward(grad, g):
+        return run_plan(core.backward_plan(info(grad), info(g), in_place=True), grad=grad, grad_output=g)
+
+    return _mapped_over_batch(backward, 1)
+
+
+def _label_args(labels):
+    return () if labels is None else (labels,)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _jsd(student, teacher, labels, beta, ignore_index):
+    return _forward_op(beta, ignore_index, labels is not None, False)(student, teacher, *_label_args(labels))[0]
+
+
+def _jsd_fwd(student, teacher, labels, beta, ignore_index):
+    loss, grad = _forward_op(beta, ignore_index, labels is not None, True)(student, teacher, *_label_args(labels))
+    return loss, grad
+
+
+def _jsd_bwd(beta, ignore_index, grad, g):
+    (dstudent,) = _backward_op()(grad, g.astype(grad.dtype))
+    return dstudent, None, None  # the teacher is a constant: zero cotangent
+
+
+_jsd.defvjp(_jsd_fwd, _jsd_bwd)
+
+
+def jsd(student_logprobs, teacher_logprobs, labels=None, *, beta: float = 0.5, ignore_index: int = -100):
+    """Generalized Jensen-Shannon divergence between student and teacher log-probabilities (..., V).
+
+    With P = teacher probabilities, Q = student probabilities and M = beta * P + (1 - beta) * Q, each row's
+    loss is ``beta * KL(P||M) + (1 - beta) * KL(Q||M)`` for 0 < beta < 1, the forward KL ``KL(P||Q)`` for
+    beta = 0 and the reverse KL ``KL(Q||P)`` for beta = 1 (TRL's GKD convention; see :mod:`liger_core.jsd`).
+    The result is the mean over rows whose integer ``labels`` (...) are not ``ignore_index`` (all rows without
+    labels); 0 with a zero gradient if every row is ignored. The loss has the promoted dtype of the two inputs.
+    Only ``student_logprobs`` is differentiated: ``teacher_logprobs`` gets a zero gradient (wrap it in
+    ``jax.lax.stop_gradient`` to make that explicit). Works under ``jit``, ``grad`` and ``vmap``.
+    """
+    student = as_array("student_logprobs", student_logprobs)
+    teacher = as_array("teacher_logprobs", teacher_logprobs)
+    labels = None if labels is None else as_array("labels", labels)
+    core.check_options(beta=beta, ignore_index=ignore_index)
+    core.check_inputs(info(student), info(teacher), None if labels is None else info(labels))
+    return _jsd(student, teacher, labels, float(beta), int(ignore_index))

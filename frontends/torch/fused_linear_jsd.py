@@ -1,0 +1,148 @@
+"""Fused linear JSD for torch: a chunk loop of torch matmuls and log-softmaxes around :mod:`liger_core.jsd`.
+
+The gradients (of the student's hidden states and head) are computed during the forward, chunk by chunk;
+the backward scales them by the incoming scalar (once: a second backward is refused).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_core import fused_linear_jsd as core
+
+from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
+
+
+def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
+    """fp32 per-row losses and, when ``need`` = (student_input, student_weight) flags ask, their gradients for
+    an incoming gradient of 1."""
+    n = xs.shape[0]
+    vocab = ws.shape[0]
+    temperature = opts["temperature"]
+    compute_grad = any(need)
+    rows = core.chunk_rows(n, vocab, chunk_size)
+    denom = None
+    if labels is not None:
+        (denom,) = run_plan(core.count_plan(n, dtype_name(labels.dtype), opts["ignore_index"]), labels=labels)
+    grad_x = torch.empty_like(xs) if need[0] else None
+    grad_w = grad_w_tmp = None
+    if need[1]:
+        grad_w = torch.zeros(ws.shape, dtype=torch.float32 if accum_fp32 else ws.dtype, device=xs.device)
+        if accum_fp32 and ws.dtype != torch.float32:
+            grad_w_tmp = torch.empty_like(ws)  # one chunk's dW in the weight's dtype, added in fp32
+    losses = []
+    plans = {}
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        xc = xs[start:stop]
+        # logits in the activations' dtype (an lm_head's output), log-softmax in fp32
+        student = torch.log_softmax(torch.mm(xc, ws.t()).float() / temperature, dim=-1)
+        teacher = torch.log_softmax(torch.mm(xt[start:stop], wt.t()).float() / temperature, dim=-1)
+        if stop - start not in plans:
+            plans[stop - start] = core.chunk_plan(
+                stop - start, vocab, None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
+                ignore_index=opts["ignore_index"], n_total_rows=n, temperature=temperature,
+                compute_grad=compute_grad)
+        outs = run_plan(plans[stop - start], student=student, teacher=teacher,
+                        labels=None if labels is None else labels[start:stop], denom=denom)
+        losses.append(outs[0])
+        if not compute_grad:
+            continue
+        dlogits = outs[1].to(xs.dtype)
+        if need[0]:
+            torch.mm(dlogits, ws, out=grad_x[start:stop])
+        if need[1]:
+            if grad_w_tmp is not None:
+                torch.mm(dlogits.t(), xc, out=grad_w_tmp)
+                grad_w.add_(grad_w_tmp)
+            else:
+                grad_w.addmm_(dlogits.t(), xc)
+    return torch.cat(losses), grad_x, grad_w
+
+
+class LigerFusedLinearJSDFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
+        xs2 = xs.reshape(-1, xs.shape[-1]).contiguous()
+        xt2 = xt.reshape(-1, xt.shape[-1]).contiguous()
+        l2 = None if labels is None else labels.reshape(-1).contiguous()
+        rows, grad_x, grad_w = _chunk_loop(xs2, ws, xt2, wt, l2, opts, chunk_size, accum_fp32, need)
+        (loss,) = run_plan(core.loss_plan(rows.numel(), dtype_name(xs.dtype)), rows=rows)
+        ctx.grads = (grad_x, grad_w)
+        ctx.need, ctx.x_shape = need, xs.shape
+        ctx.backward_done = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.backward_done:
+            raise RuntimeError("liger_torch.fused_linear_jsd: backward through the same loss twice is not "
+                               "supported (the gradients computed in the forward are released)")
+        ctx.backward_done = True
+        grads = ctx.grads
+        del ctx.grads
+        g = grad_loss.to(torch.float32)
+        out = []  # fp32 accumulators are cast to the parameters' dtypes by autograd
+        for flag, grad in zip(ctx.need, grads):
+            out.append(grad.mul_(g.to(grad.dtype)) if flag else None)
+        dx, dw = out
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        return dx, dw, None, None, None, None, None, None, None
+
+
+def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+                     teacher_weight: torch.Tensor, labels: torch.Tensor | None = None, beta: float = 0.5,
+                     ignore_index: int = -100, temperature: float = 1.0, chunk_size: int | None = None,
+                     accum_dtype_fp32: bool | None = None):
+    """:func:`liger_torch.jsd` of ``log_softmax(student_input @ student_weight.T / temperature)`` (student) and
+    ``log_softmax(teacher_input @ teacher_weight.T / temperature)`` (teacher), without materialising either
+    (N, V) logits tensor.
+
+    ``student_input`` (..., Hs) with ``student_weight`` (V, Hs); ``teacher_input`` (..., Ht) with the same
+    leading shape and ``teacher_weight`` (V, Ht); each head in its input's dtype. ``labels`` (...), ``beta`` and
+    ``ignore_index`` as in :func:`liger_torch.jsd` (mean over non-ignored rows). The loss is not multiplied by
+    ``temperature**2``. Tokens go through in chunks of ``chunk_size`` rows (default: two fp32 (rows, V) buffers
+    within ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``); the logits are in the inputs'
+    dtypes (as an lm_head's output) and their log-softmax in fp32. ``accum_dtype_fp32``: accumulate the
+    student weight's gradient over chunks in fp32 (default: on for bf16/fp16 weights). Loss in the student's
+    dtype. Differentiable in ``student_input`` and ``student_weight``; the teacher is a constant, and a teacher
+    tensor that requires grad raises ValueError (detach it, or freeze the teacher).
+    """
+    check_tensors(student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
+                  teacher_weight=teacher_weight, labels=labels)
+    core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
+    vocab = core.check_inputs(info(student_input), info(student_weight), info(teacher_input), info(teacher_weight),
+                              optional_info(labels))
+    core.chunk_rows(1, vocab, chunk_size)  # validates chunk_size
+    grad_on = torch.is_grad_enabled()
+    for name, t in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
+        if grad_on and t.requires_grad:
+            raise ValueError(f"{name} requires grad, but liger_torch.fused_linear_jsd differentiates the student "
+                             f"only; pass {name}.detach() (or freeze the teacher)")
+    need = tuple(bool(grad_on and t.requires_grad) for t in (student_input, student_weight))
+    accum_fp32 = core.accumulate_in_fp32(dtype_name(student_weight.dtype), accum_dtype_fp32)
+    opts = dict(beta=float(beta), ignore_index=int(ignore_index), temperature=float(temperature))
+    return LigerFusedLinearJSDFunction.apply(student_input, student_weight, teacher_input, teacher_weight, labels,
+                                             opts, chunk_size, accum_fp32, need)
+
+
+class FusedLinearJSD(nn.Module):
+    """``loss_fn(student_input, student_weight, teacher_input, teacher_weight, labels=None)`` with the options
+    of :func:`fused_linear_jsd` (argument order as in Liger-Kernel's module)."""
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
+                 chunk_size: int | None = None, accum_dtype_fp32: bool | None = None):
+        super().__init__()
+        core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
+        self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
+        self.chunk_size, self.accum_dtype_fp32 = chunk_size, accum_dtype_fp32
+
+    def forward(self, student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+                teacher_weight: torch.Tensor, labels: torch.Tensor | None = None):
+        return fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, labels, self.beta,
+                                self.ignore_index, self.temperature, self.chunk_size, self.accum_dtype_fp32)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, ignore_index={self.ignore_index}, temperature={self.temperature}"

@@ -1,0 +1,96 @@
+"""liger_jax.fused_linear_jsd against a float64 jnp reference, under jit and grad, both kernel layouts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import liger_jax
+from helpers import assert_close, x64
+from test_jsd_jax import reference as jsd_reference
+
+N, HS, HT, V = 37, 24, 16, 259
+CHUNK = 8  # 5 chunks, the last one padded
+
+
+def reference(xs, ks, xt, kt, labels=None, beta=0.5, temperature=1.0, ignore_index=-100):
+    """float64 from the same inputs ((H, V) kernels), the logits rounded to the inputs' dtypes first."""
+    with x64():
+        zs = (xs.astype(jnp.float64) @ ks.astype(jnp.float64)).astype(xs.dtype).astype(jnp.float64)
+        zt = (xt.astype(jnp.float64) @ kt.astype(jnp.float64)).astype(xt.dtype).astype(jnp.float64)
+        s = jax.nn.log_softmax(zs / temperature, -1)
+        t = jax.nn.log_softmax(zt / temperature, -1)
+        return jsd_reference(s, t, beta, labels, ignore_index)
+
+
+def draw(seed, dtype, n=N):
+    rng = np.random.default_rng(seed)
+    xs = jnp.asarray(rng.standard_normal((n, HS)), dtype)
+    ks = jnp.asarray(rng.standard_normal((HS, V)) * 0.4, dtype)
+    xt = jnp.asarray(rng.standard_normal((n, HT)), dtype)
+    kt = jnp.asarray(rng.standard_normal((HT, V)) * 0.5, dtype)
+    labels = rng.integers(0, V, n).astype(np.int32)
+    labels[rng.random(n) < 0.3] = -100
+    labels[0] = 2
+    return xs, ks, xt, kt, jnp.asarray(labels)
+
+
+@pytest.mark.parametrize("beta,with_labels,temperature,transpose", [
+    (0.0, False, 1.0, False), (0.5, True, 2.0, True), (1.0, True, 0.7, False)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_and_grads_under_jit(beta, with_labels, temperature, transpose, dtype, seed):
+    xs, ks, xt, kt, labels = draw(seed, dtype)
+    labels = labels if with_labels else None
+    opts = dict(beta=beta, temperature=temperature, chunk_size=CHUNK, transpose=transpose)
+    layout = (lambda k: k.T) if transpose else (lambda k: k)  # (V, H) matrices with transpose=True
+
+    def f(a, k):
+        return liger_jax.fused_linear_jsd(a, layout(k), xt, layout(kt), labels, **opts)
+
+    loss, (dx, dk) = jax.jit(jax.value_and_grad(lambda a, k: f(a, k).astype(jnp.float32) * 0.7, (0, 1)))(xs, ks)
+    assert jax.eval_shape(f, xs, ks).dtype == dtype
+    want = reference(xs, ks, xt, kt, labels, beta, temperature)
+    with x64():
+        dx_ref, dk_ref = jax.grad(lambda a, k: reference(a, k, xt, kt, labels, beta, temperature) * 0.7, (0, 1))(
+            xs.astype(jnp.float64), ks.astype(jnp.float64))
+    assert_close(np.asarray(loss), np.asarray(want) * 0.7, dtype, "loss", scale=4.0)
+    count = N if labels is None else int((labels != -100).sum())
+    assert dx.dtype == dtype and dk.dtype == dtype
+    widen = 1.0 if dtype == jnp.float32 else 2.0
+    assert_close(np.asarray(dx.astype(jnp.float32)) * count, np.asarray(dx_ref) * count, dtype, "dstudent_input",
+                 scale=widen)
+    assert_close(np.asarray(dk.astype(jnp.float32)) * count, np.asarray(dk_ref) * count, dtype, "dstudent_kernel",
+                 scale=widen * N ** 0.5)
+
+
+def test_teacher_gets_zero_gradient_and_all_ignored(seed):
+    xs, ks, xt, kt, labels = draw(seed, jnp.float32)
+    grads = jax.grad(lambda *a: liger_jax.fused_linear_jsd(*a, labels, chunk_size=CHUNK), (0, 1, 2, 3))(
+        xs, ks, xt, kt)
+    assert not np.any(np.asarray(grads[2])) and not np.any(np.asarray(grads[3]))
+    ignored = jnp.full_like(labels, -100)
+    loss, grads = jax.value_and_grad(lambda a, k: liger_jax.fused_linear_jsd(a, k, xt, kt, ignored, chunk_size=CHUNK),
+                                     (0, 1))(xs, ks)
+    assert float(loss) == 0.0
+    assert not np.any(np.asarray(grads[0])) and not np.any(np.asarray(grads[1]))
+
+
+def test_primal_matches_and_three_dimensional(seed):
+    xs, ks, xt, kt, labels = draw(seed, jnp.float32, n=15)
+    loss = liger_jax.fused_linear_jsd(xs.reshape(3, 5, HS), ks, xt.reshape(3, 5, HT), kt, labels.reshape(3, 5),
+                                      beta=0.25, chunk_size=4)
+    assert_close(np.asarray(loss), np.asarray(reference(xs, ks, xt, kt, labels, 0.25)), jnp.float32, "loss",
+                 scale=4.0)
+
+
+@pytest.mark.parametrize("shapes,kwargs,error,match", [
+    (((4, 8), (7, 10), (4, 6), (6, 10)), {}, ValueError, r"student_kernel must have shape \(H, V\) with H=8"),
+    (((4, 8), (8, 10), (4, 6), (6, 11)), {}, ValueError, "teacher_kernel must have the student's vocabulary"),
+    (((4, 8), (8, 10), (3, 6), (6, 10)), {}, ValueError, "teacher_input must have student_input's leading"),
+    (((4, 8), (10, 8), (4, 6), (6, 10)), {"transpose": True}, ValueError, r"teacher_kernel must have shape \(V, H\)"),
+    (((4, 8), (8, 10), (4, 6), (6, 10)), {"temperature": -1.0}, ValueError, "temperature"),
+])
+def test_bad_input(shapes, kwargs, error, match):
+    arrays = [np.zeros(s, np.float32) for s in shapes]
+    with pytest.raises(error, match=match):
+        liger_jax.fused_linear_jsd(*arrays, **kwargs)
