@@ -11,6 +11,8 @@ from .layer_norm import LayerNorm, LigerLayerNormFunction, layer_norm
 from .fused_add_rms_norm import FusedAddRMSNorm, LigerFusedAddRMSNormFunction, fused_add_rms_norm
 from .rope import LigerRopeFunction, rope
 from .swiglu import GeGLUMLP, LigerGatedActivationFunction, SwiGLUMLP, geglu, swiglu
+from .jsd import JSD, LigerJSDFunction, jsd
+from .fused_linear_jsd import FusedLinearJSD, LigerFusedLinearJSDFunction, fused_linear_jsd
 
 INTERPRET = liger_core.INTERPRET
 
@@ -20,5 +22,24 @@ __all__ = ["INTERPRET", "LigerRMSNormFunction", "RMSNorm", "rms_norm",
            "FusedLinearCrossEntropyLoss", "LigerFusedLinearCrossEntropyFunction", "fused_linear_cross_entropy",
            "LayerNorm", "LigerLayerNormFunction", "layer_norm",
            "FusedAddRMSNorm", "LigerFusedAddRMSNormFunction", "fused_add_rms_norm",
+           "JSD", "LigerJSDFunction", "jsd", "FusedLinearJSD", "LigerFusedLinearJSDFunction", "fused_linear_jsd",
            "LigerRopeFunction", "rope", "GeGLUMLP", "LigerGatedActivationFunction", "SwiGLUMLP", "geglu", "swiglu"]
 __version__ = liger_core.__version__
+
+# Hugging Face integration (liger_torch.transformers), re-exported lazily: importing liger_torch does not import
+# transformers; the first access to one of these names does.
+_HF_NAMES = ("AutoLigerKernelForCausalLM", "apply_liger_kernel", "revert_liger_kernel", "liger_kernel_patched",
+             "apply_liger_kernel_to_llama", "apply_liger_kernel_to_mistral", "apply_liger_kernel_to_mixtral",
+             "apply_liger_kernel_to_gemma", "apply_liger_kernel_to_gemma2", "apply_liger_kernel_to_gemma3",
+             "apply_liger_kernel_to_gemma3_text", "apply_liger_kernel_to_qwen2", "apply_liger_kernel_to_qwen3",
+             "apply_liger_kernel_to_qwen3_moe", "apply_liger_kernel_to_phi3", "apply_liger_kernel_to_olmo2",
+             "apply_liger_kernel_to_granite")
+__all__ += list(_HF_NAMES)
+
+
+def __getattr__(name):
+    if name in _HF_NAMES:
+        from . import transformers as _hf
+
+        return getattr(_hf, name)
+    raise AttributeError(f"module 'liger_torch' has no attribute {name!r}")

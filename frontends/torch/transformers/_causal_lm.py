@@ -1,0 +1,168 @@
+"""The loss side of a patched ``*ForCausalLM.forward``.
+
+The patched forward wraps the model class's own forward (``functools.wraps``: ``inspect.signature`` still shows
+the original parameters, which ``generate()`` and the ``Trainer`` read). It takes over only when the model is
+in training mode and ``labels`` are given:
+
+- ``"fused_linear_cross_entropy"``: the decoder body (``self.model``) runs as in the original, and the loss is
+  computed by :func:`liger_torch.fused_linear_cross_entropy` from the last hidden states and
+  ``lm_head.weight`` without materialising the logits. **The output's ``logits`` is then None.** Granite's
+  ``logits_scaling`` divides the hidden states (``(h / s) W^T = logits / s``); Gemma 2/3's
+  ``final_logit_softcapping`` is the kernel's ``softcap``.
+- ``"cross_entropy"``: the original forward computes the logits (without labels) and the loss is
+  :func:`liger_torch.cross_entropy` on them.
+
+Both follow transformers' ``ForCausalLMLoss``: labels shifted left by one (last position ignored), or
+``shift_labels`` as given; ``ignore_index`` (default -100); with ``num_items_in_batch`` the loss is the sum over
+tokens divided by it (gradient accumulation then equals one large batch), else the mean over non-ignored tokens;
+MoE models add ``router_aux_loss_coef * aux_loss`` when ``output_router_logits``. ``logits_to_keep`` (an int,
+the last k positions, or an index tensor) selects hidden states and the matching shifted labels. The loss is
+returned in fp32 like transformers' (the fused kernel's loss has the hidden states' dtype and is upcast after).
+In eval mode or without labels the original forward runs unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from ..cross_entropy import cross_entropy
+from ..fused_linear_cross_entropy import fused_linear_cross_entropy
+
+
+def _keep(x: torch.Tensor, logits_to_keep, dim: int) -> torch.Tensor:
+    if isinstance(logits_to_keep, int):
+        if logits_to_keep == 0:
+            return x
+        return x.narrow(dim, x.shape[dim] - logits_to_keep, logits_to_keep)
+    return x.index_select(dim, logits_to_keep.to(x.device).reshape(-1)) if logits_to_keep.ndim <= 1 else \
+        x[(slice(None),) * (dim % x.ndim) + (logits_to_keep,)]
+
+
+def _targets(labels, shift_labels, ignore_index, logits_to_keep, length, device):
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(device)
+    if shift_labels.shape[-1] != length:  # full-length labels with logits_to_keep: keep the same positions
+        shift_labels = _keep(shift_labels, logits_to_keep, shift_labels.ndim - 1)
+    return shift_labels.reshape(-1)
+
+
+def _divide(loss, num_items_in_batch):
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _output(self, outputs, loss, logits, aux_loss, moe: bool, return_dict):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    cls = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+    names = {f.name for f in dataclasses.fields(cls)}
+    data = {"loss": loss, "logits": logits}
+    if "aux_loss" in names:
+        data["aux_loss"] = aux_loss
+    for name in ("past_key_values", "cache", "hidden_states", "attentions", "router_logits"):
+        if name in names and getattr(outputs, name, None) is not None:
+            data[name] = getattr(outputs, name)
+    result = cls(**data)
+    return result if return_dict else result.to_tuple()
+
+
+def _aux_loss(self, family, outputs, attention_mask):
+    router_logits = getattr(outputs, "router_logits", None)
+    if router_logits is None:
+        return None
+    balance = getattr(importlib.import_module(family.module), "load_balancing_loss_func")
+    num_experts = getattr(self, "num_experts", None) or getattr(self.config, "num_experts", None) or \
+        self.config.num_local_experts
+    top_k = getattr(self, "num_experts_per_tok", None) or self.config.num_experts_per_tok
+    return balance(router_logits, num_experts, top_k, attention_mask)
+
+
+def _fused_forward(self, family, params, kwargs):
+    labels = kwargs.pop("labels")
+    shift_labels = kwargs.pop("shift_labels", None)
+    logits_to_keep = kwargs.pop("logits_to_keep", 0)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    router = False
+    if "output_router_logits" in params:
+        router = kwargs.get("output_router_logits")
+        if router is None:
+            router = bool(getattr(self.config, "output_router_logits", False))
+        kwargs["output_router_logits"] = router
+    body = getattr(self, self.base_model_prefix)
+    outputs = body(**kwargs)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    hidden = _keep(hidden, logits_to_keep, 1)
+    target = _targets(labels, shift_labels, ignore_index, logits_to_keep, hidden.shape[1], hidden.device)
+    if family.logits_scaling:
+        hidden = hidden / self.config.logits_scaling
+    softcap = getattr(self.config, "final_logit_softcapping", None) if family.softcap else None
+    loss = fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, target, bias=self.lm_head.bias,
+        ignore_index=ignore_index, reduction="sum" if num_items_in_batch is not None else "mean", softcap=softcap)
+    loss = _divide(loss.float(), num_items_in_batch)
+    aux_loss = _aux_loss(self, family, outputs, kwargs.get("attention_mask")) if router else None
+    if aux_loss is not None:
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return _output(self, outputs, loss, None, aux_loss, "output_router_logits" in params, return_dict)
+
+
+def _ce_forward(self, family, original, params, kwargs):
+    labels = kwargs.pop("labels")
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    out = original(self, **kwargs, return_dict=True)
+    logits = out.logits
+    target = _targets(labels, shift_labels, ignore_index, kwargs.get("logits_to_keep", 0), logits.shape[1],
+                      logits.device)
+    loss = cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target, ignore_index=ignore_index,
+                         reduction="sum" if num_items_in_batch is not None else "mean")
+    loss = _divide(loss, num_items_in_batch)
+    aux_loss = getattr(out, "aux_loss", None)
+    if aux_loss is not None:
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    out.loss = loss
+    return out if return_dict else out.to_tuple()
+
+
+def make_causal_lm_forward(original, family, mode: str):
+    """The patched forward of a ``*ForCausalLM`` class whose forward is ``original``; ``mode`` is
+    ``"fused_linear_cross_entropy"`` or ``"cross_entropy"``."""
+    original = getattr(original, "_liger_original", original)
+    signature = inspect.signature(original)
+    params = list(signature.parameters)[1:]
+    positional = [n for n, p in list(signature.parameters.items())[1:]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if args:
+            if len(args) > len(positional) or any(n in kwargs for n in positional[:len(args)]):
+                return original(self, *args, **kwargs)
+            kwargs.update(zip(positional, args))
+        if not self.training or kwargs.get("labels") is None:
+            return original(self, **kwargs)
+        if mode == "fused_linear_cross_entropy":
+            return _fused_forward(self, family, params, kwargs)
+        return _ce_forward(self, family, original, params, kwargs)
+
+    forward._liger_original = original
+    forward._liger_mode = mode
+    return forward

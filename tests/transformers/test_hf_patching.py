@@ -1,0 +1,253 @@
+"""Patched vs unpatched transformers models of every family, built from the same seed (tiny configs, fp32)."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from helpers import assert_close
+from liger_torch.transformers import (FAMILIES, AutoLigerKernelForCausalLM, apply_liger_kernel,
+                                      apply_liger_kernel_to_llama, liger_kernel_patched, revert_liger_kernel)
+
+from hf_tiny import FAMILIES as FAMILY_NAMES, batch, build, liger_module_count, config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, inside Triton's interpreter
+F32 = torch.float32
+GRAD_SCALE = 4  # parameter gradients are sums over all tokens: a few roundings more than the activations
+
+
+def _eval_logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _train_step(model, ids, labels, **kwargs):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(ref, got, name):
+    (ref_logits, ref_loss, ref_grads), (logits, loss, grads) = ref, got
+    assert_close(logits, ref_logits, F32, f"{name} eval logits")
+    assert_close(loss, ref_loss, F32, f"{name} loss")
+    assert ref_grads.keys() == grads.keys()
+    for n in ref_grads:
+        assert_close(grads[n], ref_grads[n], F32, f"{name} grad {n}", scale=GRAD_SCALE)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_matches_unpatched(family, device, seed):
+    ids, labels = batch(seed, device)
+    ref = build(family, seed, device)
+    ref_out, ref_grads = _train_step(ref, ids, labels)
+    reference = (_eval_logits(ref, ids), ref_out.loss.detach(), ref_grads)
+    module = importlib.import_module(FAMILIES[family].module)
+    original_norm = getattr(module, f"{FAMILIES[family].prefix}RMSNorm")
+    with liger_kernel_patched(family):
+        model = build(family, seed, device)
+        assert liger_module_count(model) > 0
+        for (n, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+            assert torch.equal(a, b), f"init differs at {n}"  # same seed, same init (Gemma's zero norms too)
+        out, grads = _train_step(model, ids, labels)
+        assert out.logits is None  # fused linear cross-entropy: no logits in training with labels
+        got = (_eval_logits(model, ids), out.loss.detach(), grads)
+    assert getattr(module, f"{FAMILIES[family].prefix}RMSNorm") is original_norm  # reverted
+    _compare(reference, got, family)
+
+
+def test_instance_patching_and_revert(device, seed):
+    ids, labels = batch(seed, device)
+    ref = build("llama", seed, device)
+    ref_out, ref_grads = _train_step(ref, ids, labels)
+    reference = (_eval_logits(ref, ids), ref_out.loss.detach(), ref_grads)
+    model = build("llama", seed, device)
+    keys = list(model.state_dict())
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert apply_liger_kernel(model) is model
+    names = {type(m).__name__ for m in model.modules()}
+    assert {"LigerLlamaRMSNorm", "LigerLlamaMLP", "LigerLlamaAttention"} <= names  # attention: kernel RoPE
+    assert type(model).__name__ == "LlamaForCausalLM"  # the class name save_pretrained records
+    assert list(model.state_dict()) == keys and {n: p.data_ptr() for n, p in model.named_parameters()} == params
+    import transformers.models.llama.modeling_llama as ml
+    assert ml.LlamaRMSNorm.__name__ == "LlamaRMSNorm"  # the modeling module is untouched
+    out, grads = _train_step(model, ids, labels)
+    assert out.logits is None
+    _compare(reference, (_eval_logits(model, ids), out.loss.detach(), grads), "llama instance")
+    assert revert_liger_kernel(model) == 10  # 5 norms, 2 MLPs, 2 attentions, the CausalLM
+    assert liger_module_count(model) == 0
+
+
+def test_moe_eager_experts_instance(device, seed):
+    """Mixtral's fused-tensor experts under the eager experts implementation (the loop with the kernel gate)."""
+    ids, labels = batch(seed, device)
+    ref = build("mixtral", seed, device, experts_implementation="eager")
+    assert ref.config._experts_implementation == "eager"
+    ref_out, ref_grads = _train_step(ref, ids, labels)
+    model = copy.deepcopy(ref)
+    apply_liger_kernel(model, rope=False)
+    assert "LigerMixtralExperts" in {type(m).__name__ for m in model.modules()}
+    out, grads = _train_step(model, ids, labels)
+    assert_close(out.loss, ref_out.loss, F32, "loss (incl. router aux loss)")
+    for n in ref_grads:
+        assert_close(grads[n], ref_grads[n], F32, f"grad {n}", scale=GRAD_SCALE)
+
+
+def test_cross_entropy_mode_and_shift_labels_and_logits_to_keep(device, seed):
+    ids, labels = batch(seed, device)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].clone()
+    shift[1, 5] = -100
+    ref = build("gemma2", seed, device)
+    ref.train()
+    ref_loss = ref(input_ids=ids, labels=labels, shift_labels=shift).loss
+    ref_keep = ref(input_ids=ids, labels=labels[:, -6:], logits_to_keep=6).loss
+    fused = copy.deepcopy(ref)
+    apply_liger_kernel(fused)
+    assert_close(fused(input_ids=ids, labels=labels, shift_labels=shift).loss, ref_loss, F32, "shift_labels")
+    # logits_to_keep with full-length labels keeps the same (shifted) positions; HF needs the labels cut to match
+    hf_shift_keep = shift[:, -6:].contiguous()
+    ref_keep_shift = ref(input_ids=ids, labels=labels, shift_labels=hf_shift_keep, logits_to_keep=6).loss
+    assert_close(fused(input_ids=ids, labels=labels, shift_labels=shift, logits_to_keep=6).loss, ref_keep_shift,
+                 F32, "logits_to_keep")
+    assert_close(fused(input_ids=ids, labels=labels[:, -6:], logits_to_keep=6).loss, ref_keep, F32, "keep cut")
+    ce = copy.deepcopy(ref)
+    apply_liger_kernel(ce, cross_entropy=True, fused_linear_cross_entropy=False)
+    out = ce(input_ids=ids, labels=labels, shift_labels=shift)
+    assert out.logits is not None
+    assert_close(out.loss, ref_loss, F32, "cross_entropy mode")
+    with pytest.raises(ValueError, match="exclusive"):
+        apply_liger_kernel(ce, cross_entropy=True)
+
+
+def test_num_items_in_batch_accumulation_equals_big_batch(device, seed):
+    ids, labels = batch(seed, device, batch_size=4)
+    model = build("qwen3", seed, device)
+    apply_liger_kernel(model)
+    model.train()
+    big = model(input_ids=ids, labels=labels).loss
+    big.backward()
+    big_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    num_items = (labels[:, 1:] != -100).sum()
+    for part in (slice(0, 1), slice(1, 4)):  # unequal micro-batches: a mean per micro-batch would be wrong
+        model(input_ids=ids[part], labels=labels[part], num_items_in_batch=num_items).loss.backward()
+    for n, p in model.named_parameters():
+        assert_close(p.grad, big_grads[n], F32, f"grad {n}", scale=GRAD_SCALE)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_convergence_adamw(family, device, seed):
+    """20 AdamW steps on a fixed synthetic batch stream: per-step losses and final parameters match."""
+    def train(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        model.train()
+        losses = []
+        for step in range(20):
+            ids, labels = stream[step % len(stream)]
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return torch.stack(losses), dict(model.named_parameters())
+
+    stream = [batch(seed + i, device, batch_size=1, seq=8) for i in range(2)]  # a cycle it can learn
+    ref_losses, ref_params = train(build(family, seed, device))
+    with liger_kernel_patched(family):
+        losses, params = train(build(family, seed, device))
+    assert losses[-1] < losses[0] - 0.3  # it learns
+    # AdamW normalises the updates, so rounding-level gradient differences reach the parameters at lr scale
+    assert_close(losses, ref_losses, F32, "per-step losses", scale=10)
+    for n in ref_params:
+        assert_close(params[n], ref_params[n], F32, f"final {n}", scale=10)
+
+
+def test_peft_lora_instance_patching(device, seed):
+    peft = pytest.importorskip("peft")
+    ids, labels = batch(seed, device)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], lora_dropout=0.0)
+
+    def peft_model():
+        model = build("llama", seed, device)
+        torch.manual_seed(seed + 1)
+        return peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **lora))
+
+    ref = peft_model()
+    ref_out, ref_grads = _train_step(ref, ids, labels)
+    model = peft_model()
+    apply_liger_kernel(model)
+    assert liger_module_count(model) > 0
+    out, grads = _train_step(model, ids, labels)
+    assert out.logits is None and set(grads) == set(ref_grads) and all("lora" in n for n in grads)
+    assert_close(out.loss, ref_out.loss, F32, "peft loss")
+    for n in ref_grads:
+        assert_close(grads[n], ref_grads[n], F32, f"grad {n}", scale=GRAD_SCALE)
+
+
+def test_save_pretrained_from_pretrained_round_trip(device, seed, tmp_path):
+    ids, _ = batch(seed, device)
+    model = build("gemma", seed, device)
+    apply_liger_kernel(model)
+    logits = _eval_logits(model, ids)
+    model.save_pretrained(tmp_path)
+    with liger_kernel_patched():
+        loaded = AutoLigerKernelForCausalLM.from_pretrained(tmp_path).to(device)
+        assert loaded.config.architectures == ["GemmaForCausalLM"]
+        assert liger_module_count(loaded) > 0
+        for (n, a), (m, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            assert n == m and torch.equal(a, b), n
+        assert_close(_eval_logits(loaded, ids), logits, F32, "logits after reload")
+    from transformers import AutoModelForCausalLM  # plain transformers reads the checkpoint too
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).to(device)
+    assert liger_module_count(plain) == 0
+    assert_close(_eval_logits(plain, ids), logits, F32, "logits in plain transformers")
+
+
+def test_generate_on_patched_model(device, seed):
+    ids, _ = batch(seed, device, batch_size=1, seq=5)
+    ref = build("qwen2", seed, device).eval()
+    expected = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model = copy.deepcopy(ref)
+    apply_liger_kernel(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
+
+
+def test_trainer_runs_patched(device, seed, tmp_path):
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    rows = []
+    for i in range(8):
+        ids, labels = batch(seed + i, "cpu", batch_size=1)
+        rows.append({"input_ids": ids[0], "labels": labels[0]})
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                             use_cpu=device == "cpu", disable_tqdm=True)
+
+    def run():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config("llama"))
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        return model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    _, ref_losses = run()
+    with liger_kernel_patched("llama"):
+        model, losses = run()
+        assert liger_module_count(model) > 0
+    assert len(losses) == 2
+    assert_close(torch.tensor(losses), torch.tensor(ref_losses), F32, "trainer losses", scale=10)
+
+
+def test_dispatch_and_errors():
+    with pytest.raises(ValueError, match="no kernels"):
+        apply_liger_kernel("bert")
+    with pytest.raises(TypeError):
+        apply_liger_kernel_to_llama(geglu=True)
+    with liger_kernel_patched("gemma3_text", swiglu=False):  # the other family's gate switch is translated
+        import transformers.models.gemma3.modeling_gemma3 as mg
+        assert mg.Gemma3RMSNorm.__name__ == "LigerGemma3RMSNorm" and mg.Gemma3MLP.__name__ == "Gemma3MLP"
+    assert mg.Gemma3RMSNorm.__name__ == "Gemma3RMSNorm"
