@@ -29,9 +29,10 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, collapse_rows, contiguous_strides,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, contiguous_strides,
     next_power_of_2, warps_for,
 )
+from .rowwise import row_view
 from .reduce import sum_partials_launch
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -274,14 +275,6 @@ def invalid_targets_message(vocab: int, ignore_index: int, name: str = "target")
             f"every target must be a class index or ignore_index")
 
 
-def _logit_rows(logits: ArrayInfo, name: str) -> tuple[int, int, int, int]:
-    view = collapse_rows(logits)
-    if view is None:
-        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
-                         f"(shape {logits.shape}, strides {logits.strides}); make it contiguous first")
-    return view
-
-
 def check_inputs(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, logits_name: str = "logits",
                  target_name: str = "target", weight_name: str = "weight") -> None:
     check_nonempty(logits, logits_name)
@@ -320,7 +313,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
                 grad_scale: ArrayInfo | None = None) -> Launch:
     """The per-row kernel: outputs ``loss_rows`` (already divided by the mean's denominators; needs the
     ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``)."""
-    n_rows, n_cols, row_stride, col_stride = _logit_rows(logits, "logits")
+    n_rows, n_cols, row_stride, col_stride = row_view(logits, "logits")
     has_weight = weight is not None
     mean = reduction == "mean"
     # Writing the gradient over the logits is safe only when their rows do not overlap.
@@ -448,7 +441,7 @@ def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_float(grad_output, "grad_output")
-    n_rows, n_cols, row_stride, col_stride = _logit_rows(grad, "grad")
+    n_rows, n_cols, row_stride, col_stride = row_view(grad, "grad")
     if reduction == "none":
         if tuple(grad_output.shape) != tuple(grad.shape[:-1]):
             raise ValueError(f"grad_output must have shape {grad.shape[:-1]}, got {grad_output.shape}")

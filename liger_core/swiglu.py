@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape,
     next_power_of_2, non_overlapping, warps_for,
 )
+from .rowwise import row_view
 from .tl_math import round_to, tanh
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -134,14 +135,6 @@ def _check_inputs(a: ArrayInfo, b: ArrayInfo, activation: str) -> None:
         raise TypeError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
 
 
-def _rows(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
-    view = collapse_rows(info)
-    if view is None:
-        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
-                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
-    return view
-
-
 def _tile(n_rows: int, n_cols: int) -> tuple[int, int]:
     block_n = min(_MAX_BLOCK_N, next_power_of_2(n_cols))
     block_m = max(1, min(_TILE_ELEMENTS // block_n, next_power_of_2(n_rows)))
@@ -151,8 +144,8 @@ def _tile(n_rows: int, n_cols: int) -> tuple[int, int]:
 def forward_plan(a: ArrayInfo, b: ArrayInfo, *, activation: str) -> Plan:
     """Plan for ``c = act(a) * b``: inputs ``a``, ``b``; output ``c`` (a's shape and dtype, contiguous)."""
     _check_inputs(a, b, activation)
-    n_rows, n_cols, a_rs, a_cs = _rows(a, "a")
-    _, _, b_rs, b_cs = _rows(b, "b")
+    n_rows, n_cols, a_rs, a_cs = row_view(a, "a")
+    _, _, b_rs, b_cs = row_view(b, "b")
     block_m, block_n = _tile(n_rows, n_cols)
     launch = Launch(
         kernel=_gated_forward_kernel,
@@ -174,9 +167,9 @@ def backward_plan(dc: ArrayInfo, a: ArrayInfo, b: ArrayInfo, *, activation: str,
     check_float(dc, "grad_output")
     if tuple(dc.shape) != tuple(a.shape):
         raise ValueError(f"grad_output must have the shape of a {a.shape}, got {dc.shape}")
-    n_rows, n_cols, a_rs, a_cs = _rows(a, "a")
-    _, _, b_rs, b_cs = _rows(b, "b")
-    _, _, dc_rs, dc_cs = _rows(dc, "grad_output")
+    n_rows, n_cols, a_rs, a_cs = row_view(a, "a")
+    _, _, b_rs, b_cs = row_view(b, "b")
+    _, _, dc_rs, dc_cs = row_view(dc, "grad_output")
     outputs, strides = [], []
     for src, (rs, cs), name in ((a, (a_rs, a_cs), "a"), (b, (b_rs, b_cs), "b")):
         if in_place and non_overlapping(src):
