@@ -19,4 +19,4 @@ if [ "$installed" != "$here" ]; then
   $PY -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 \
     | grep -v -E "^WARNING: (Running pip|Location)" || true
 fi
-$PY -c "import torch, triton, jax, flax, liger_torch, liger_jax; print('torch', torch.__version__, '| triton', triton.__version__, '| jax', jax.__version__, '| flax', flax.__version__)" 2>&1 | grep -v Warning
+$PY -W ignore -c "import torch, triton, jax, flax, liger_torch, liger_jax; print('torch', torch.__version__, '| triton', triton.__version__, '| jax', jax.__version__, '| flax', flax.__version__)" 2>&1 | grep -v Warning
