@@ -28,6 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .tl_math import cast
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, contiguous_strides,
     next_power_of_2, warps_for,
@@ -205,7 +206,7 @@ def _cross_entropy_kernel(
             if HAS_SOFTCAP:
                 grad = grad * (1.0 - th * th)
             grad = tl.where(valid, grad, float("nan"))
-            tl.store(grad_row + cols * grad_col_stride, grad.to(GRAD.dtype.element_ty), mask=mask)
+            tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -223,7 +224,7 @@ def _scale_rows_kernel(
     g = tl.load(G + row * g_stride).to(tl.float32)
     offs = row * row_stride + cols * col_stride
     v = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, (v * g).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + offs, cast(v * g, OUT.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------

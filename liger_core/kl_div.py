@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .tl_math import cast
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
     next_power_of_2, promote, warps_for,
@@ -50,7 +51,7 @@ def _kl_div_forward_kernel(
             loss = tl.where(y == 0.0, 0.0, y * (tl.log(tl.where(y == 0.0, 1.0, y)) - x))
         loss = tl.where(mask, loss, 0.0)
         if ELEMENTWISE:
-            tl.store(OUT + row * n_cols + cols, loss.to(OUT.dtype.element_ty), mask=mask)
+            tl.store(OUT + row * n_cols + cols, cast(loss, OUT.dtype.element_ty), mask=mask)
         else:
             acc += loss
     if not ELEMENTWISE:
@@ -72,7 +73,7 @@ def _kl_div_backward_kernel(
     g = tl.load(G + row * g_row_stride + cols * g_col_stride, mask=mask, other=0.0).to(tl.float32)
     if LOG_TARGET:
         y = tl.exp(y)
-    tl.store(DX + row * n_cols + cols, (-y * g * scale).to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + row * n_cols + cols, cast(-y * g * scale, DX.dtype.element_ty), mask=mask)
 
 
 def _rows(info: ArrayInfo, name: str):

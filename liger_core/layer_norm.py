@@ -17,6 +17,7 @@ import functools
 import triton
 import triton.language as tl
 
+from .tl_math import cast
 from .launch import (
     FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, next_power_of_2,
     promote, warps_for,
@@ -64,7 +65,7 @@ def _layer_norm_forward_kernel(
         y = y * tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y = y + tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .tl_math import cast
 from .launch import Buf, Launch, NewBuffer, cdiv, next_power_of_2
 
 
@@ -33,7 +34,7 @@ def _sum_partials_kernel(
         mask = (p < n_partials)[:, None] & col_mask[None, :]
         acc += tl.load(base + p[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
-    tl.store(OUT + group * n_cols + cols, total.to(OUT.dtype.element_ty), mask=col_mask)
+    tl.store(OUT + group * n_cols + cols, cast(total, OUT.dtype.element_ty), mask=col_mask)
 
 
 def sum_partials_launch(partials: str, out: str, groups: int, n_partials: int, n_cols: int, dtype: str,

@@ -25,7 +25,7 @@ from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, check_float, check_nonempty, contiguous_strides, next_power_of_2,
     non_overlapping, promote, warps_for,
 )
-from .tl_math import round_to
+from .tl_math import cast, round_to
 
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # q/k elements one program rotates per loop step (one token, a block of heads).
@@ -66,11 +66,11 @@ def _rotate_heads(X, x_sh, x_sd, O, o_sh, o_sd, n_heads, half, c1, c2, s1, s2,
             o2 = round_to(x2 * c2[None, :], o_dtype) + round_to(x1 * s2[None, :], o_dtype)
         if INTERLEAVED:
             o = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * BLOCK_HALF))
-            tl.store(O + heads[:, None] * o_sh + d[None, :] * o_sd, o.to(o_dtype), mask=mask)
+            tl.store(O + heads[:, None] * o_sh + d[None, :] * o_sd, cast(o, o_dtype), mask=mask)
         else:
             optr = O + heads[:, None] * o_sh + j[None, :] * o_sd
-            tl.store(optr, o1.to(o_dtype), mask=mask)
-            tl.store(optr + half * o_sd, o2.to(o_dtype), mask=mask)
+            tl.store(optr, cast(o1, o_dtype), mask=mask)
+            tl.store(optr + half * o_sd, cast(o2, o_dtype), mask=mask)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from .launch import (
     next_power_of_2, non_overlapping, warps_for,
 )
 from .rowwise import row_view
-from .tl_math import round_to, tanh
+from .tl_math import cast, round_to, tanh
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -78,7 +78,7 @@ def _gated_forward_kernel(
     c_dtype = C.dtype.element_ty
     act = round_to(_activation(a.to(tl.float32), ACT), c_dtype)  # act_fn(gate) in the input dtype
     c = act * b.to(tl.float32)
-    tl.store(C + rows[:, None] * n_cols + cols[None, :], c.to(c_dtype), mask=mask)
+    tl.store(C + rows[:, None] * n_cols + cols[None, :], cast(c, c_dtype), mask=mask)
 
 
 @triton.jit
@@ -104,8 +104,8 @@ def _gated_backward_kernel(
     db_dtype = DB.dtype.element_ty
     db = dc * round_to(act, db_dtype)  # grad of act(a) * b w.r.t. b, act(a) in the input dtype
     da = round_to(dc * b.to(tl.float32), da_dtype) * d_act  # grad w.r.t. act(a), then act's backward in fp32
-    tl.store(DA + rows[:, None] * da_row_stride + cols[None, :] * da_col_stride, da.to(da_dtype), mask=mask)
-    tl.store(DB + rows[:, None] * db_row_stride + cols[None, :] * db_col_stride, db.to(db_dtype), mask=mask)
+    tl.store(DA + rows[:, None] * da_row_stride + cols[None, :] * da_col_stride, cast(da, da_dtype), mask=mask)
+    tl.store(DB + rows[:, None] * db_row_stride + cols[None, :] * db_col_stride, cast(db, db_dtype), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
