@@ -144,3 +144,22 @@ def test_nnx_module_refuses_unsupported_options():
 def test_bad_input(x, scale, error, match):
     with pytest.raises(error, match=match):
         liger_jax.rms_norm(x, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dir", [None, "/tmp/liger-triton-cache-test"])
+def test_importing_jax_triton_keeps_tritons_cache_dir(cache_dir):
+    """jax_triton sets TRITON_CACHE_DIR="" on import (switching off torch's Triton disk cache); liger_jax's
+    lazy import restores the caller's value. A fresh process, so jax_triton is really imported here."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    if cache_dir is not None:
+        env["TRITON_CACHE_DIR"] = cache_dir
+    code = ("import os, liger_jax._launch as L; L.jax_triton(); import jax_triton; "
+            "print(repr(os.environ.get('TRITON_CACHE_DIR')))")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == repr(cache_dir)
