@@ -1,0 +1,305 @@
+"""A Llama-family causal LM in Flax NNX (llama, mistral, qwen2, qwen3) on the liger_jax kernels.
+
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.embed_tokens``,
+``model.layers[i].self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ``model.norm``, ``lm_head``) with
+Flax's leaf names (``kernel`` (in, out), ``bias``, ``embedding``, ``scale``), so the weight mapping in
+:mod:`liger_jax.models.hf` is mechanical.
+
+``use_kernels`` routes RMSNorm, RoPE, the SwiGLU gate and the loss through liger_jax (``True``), none of them
+(``False``: the pure-XLA baseline) or a chosen subset (a dict / :class:`Kernels`). Attention always goes through
+``jax.nn.dot_product_attention`` (GQA natively, causal; the cuDNN flash path on GPU when asked for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..fused_linear_cross_entropy import fused_linear_cross_entropy
+from ..rms_norm import rms_norm
+from ..rope import rope
+from ..swiglu import swiglu
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which parts run on liger_jax kernels (the rest is plain jnp / XLA)."""
+
+    rms_norm: bool = True
+    rope: bool = True
+    swiglu: bool = True
+    loss: bool = True  # fused linear cross-entropy: logits never materialised
+
+    @classmethod
+    def of(cls, use_kernels) -> "Kernels":
+        if isinstance(use_kernels, Kernels):
+            return use_kernels
+        if isinstance(use_kernels, bool):
+            return cls(use_kernels, use_kernels, use_kernels, use_kernels)
+        if isinstance(use_kernels, dict):
+            unknown = set(use_kernels) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown kernels in use_kernels: {sorted(unknown)}")
+            return cls(**{f.name: bool(use_kernels.get(f.name, False)) for f in dataclasses.fields(cls)})
+        raise TypeError(f"use_kernels must be a bool, a dict or a Kernels, got {type(use_kernels).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: = num_attention_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None / {"rope_type": "default"} or {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: Any = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # llama/mistral/qwen3: attention_bias; qwen2: True
+    o_bias: bool = False  # llama/mistral/qwen3: attention_bias; qwen2: False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim of q and k before RoPE
+    sliding_window: int | None = None  # mistral: a token sees the last `sliding_window` positions
+    hidden_act: str = "silu"
+    model_type: str = "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def __post_init__(self):
+        if self.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {self.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise NotImplementedError(f"rope_type {rope_type!r}: only 'default' and 'llama3' are supported")
+
+
+def inv_frequencies(config: LlamaConfig) -> np.ndarray:
+    """RoPE inverse frequencies (D/2,) as fp32 numpy, with Llama-3 frequency scaling when configured."""
+    dim = config.dim_per_head
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (np.float64(config.rope_theta) ** exponent.astype(np.float64))).astype(np.float32)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq.astype(np.float64)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        # long wavelengths (low frequencies) are slowed down by `factor`, short ones are kept, and the band
+        # between is interpolated linearly in old_len / wavelen
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        t = (old_len / wavelen - low) / (high - low)
+        between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        scaled = np.where(between, (1 - t) * scaled / factor + t * scaled, scaled)
+        inv_freq = scaled.astype(np.float32)
+    return inv_freq
+
+
+def rope_tables(config: LlamaConfig, positions, dtype):
+    """cos, sin of shape positions.shape + (D,) (HF convention: the D/2 frequencies repeated twice)."""
+    inv_freq = jnp.asarray(inv_frequencies(config))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jax.lax.stop_gradient(jnp.cos(emb).astype(dtype)), jax.lax.stop_gradient(jnp.sin(emb).astype(dtype))
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+class RMSNorm(nnx.Module):
+    """HF ``LlamaRMSNorm``: ``scale * (x32 * rsqrt(mean(x32^2) + eps)).astype(x.dtype)`` (parameter ``scale``)."""
+
+    def __init__(self, num_features: int, *, epsilon: float, use_kernel: bool, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
+        self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+        self.epsilon = epsilon
+        self.use_kernel = use_kernel
+
+    def __call__(self, x):
+        scale = self.scale[...].astype(x.dtype)
+        if self.use_kernel:
+            return rms_norm(x, scale, epsilon=self.epsilon, casting_mode="llama")
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+        return scale * y.astype(x.dtype)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, config: LlamaConfig, kernels: Kernels, *, dtype, param_dtype, rngs: nnx.Rngs):
+        h, d = config.hidden_size, config.dim_per_head
+        nq, nkv = config.num_attention_heads, config.kv_heads
+        lin = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                   kernel_init=nnx.initializers.normal(0.02))
+        self.q_proj = nnx.Linear(h, nq * d, use_bias=config.qkv_bias, **lin)
+        self.k_proj = nnx.Linear(h, nkv * d, use_bias=config.qkv_bias, **lin)
+        self.v_proj = nnx.Linear(h, nkv * d, use_bias=config.qkv_bias, **lin)
+        self.o_proj = nnx.Linear(nq * d, h, use_bias=config.o_bias, **lin)
+        if config.qk_norm:
+            norm = dict(epsilon=config.rms_norm_eps, use_kernel=kernels.rms_norm, param_dtype=param_dtype)
+            self.q_norm = RMSNorm(d, **norm)
+            self.k_norm = RMSNorm(d, **norm)
+        self.qk_norm = config.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, d
+        self.sliding_window = config.sliding_window
+        self.use_rope_kernel = kernels.rope
+
+    def __call__(self, x, cos, sin, mask=None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.astype(q.dtype), sin.astype(q.dtype)
+        if self.use_rope_kernel:
+            q, k = rope(q, k, cos, sin)
+        else:
+            c, s = cos[:, :, None, :], sin[:, :, None, :]
+            q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        window = None
+        if self.sliding_window is not None and self.sliding_window < t:
+            window = (self.sliding_window - 1, 0)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=self.head_dim ** -0.5,
+                                           local_window_size=window)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nnx.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: LlamaConfig, kernels: Kernels, *, dtype, param_dtype, rngs: nnx.Rngs):
+        lin = dict(use_bias=config.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                   kernel_init=nnx.initializers.normal(0.02))
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nnx.Linear(h, i, **lin)
+        self.up_proj = nnx.Linear(h, i, **lin)
+        self.down_proj = nnx.Linear(i, h, **lin)
+        self.use_kernel = kernels.swiglu
+
+    def __call__(self, x):
+        a, b = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu(a, b) if self.use_kernel else jax.nn.silu(a) * b)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, kernels: Kernels, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm = dict(epsilon=config.rms_norm_eps, use_kernel=kernels.rms_norm, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = LlamaAttention(config, kernels, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = LlamaMLP(config, kernels, **kw)
+
+    def __call__(self, x, cos, sin, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, decoder layers, final norm: returns the last hidden states (B, T, H)."""
+
+    def __init__(self, config: LlamaConfig, kernels: Kernels, *, dtype, param_dtype, remat: bool,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(config, kernels, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, use_kernel=kernels.rms_norm,
+                            param_dtype=param_dtype)
+        self.dtype = dtype
+        self.remat = remat
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        b, t = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        positions = jnp.arange(t)[None] if position_ids is None else jnp.asarray(position_ids).reshape(-1, t)
+        cos, sin = rope_tables(self.config, positions, jnp.float32)
+        mask = None
+        if attention_mask is not None:  # (B, T) 1 = attend, 0 = padding (keys only, as HF does)
+            mask = jnp.asarray(attention_mask).astype(bool)[:, None, None, :]
+        for layer in self.layers:
+            if self.remat:
+                x = nnx.remat(lambda lyr, h, c, s, m: lyr(h, c, s, m))(layer, x, cos, sin, mask)
+            else:
+                x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+def shift_labels(labels, ignore_index: int = IGNORE_INDEX):
+    """HF causal-LM shift: position t is scored against labels[t + 1]; the last position is ignored."""
+    labels = jnp.asarray(labels)
+    pad = jnp.full(labels.shape[:-1] + (1,), ignore_index, labels.dtype)
+    return jnp.concatenate([labels[..., 1:], pad], axis=-1)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Causal LM: ``__call__`` returns logits (B, T, V); ``loss`` the HF-style mean next-token loss."""
+
+    def __init__(self, config: LlamaConfig, *, use_kernels=True, dtype=None, param_dtype=jnp.float32,
+                 remat: bool = False, rngs: nnx.Rngs | None = None):
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = config
+        self.kernels = Kernels.of(use_kernels)
+        self.model = LlamaModel(config, self.kernels, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = nnx.data(None)
+        else:
+            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
+                                      param_dtype=param_dtype, kernel_init=nnx.initializers.normal(0.02),
+                                      rngs=rngs)
+
+    def _head(self):
+        """The output projection as (matrix, transpose): (H, V) for lm_head, the tied (V, H) embedding."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.embedding[...], True
+        return self.lm_head.kernel[...], False
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        h = self.model(input_ids, attention_mask, position_ids)
+        w, transpose = self._head()
+        w = w.astype(h.dtype)
+        return h @ w.T if transpose else h @ w
+
+    def loss(self, input_ids, labels, attention_mask=None, position_ids=None, *,
+             ignore_index: int = IGNORE_INDEX):
+        """Mean cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` over the non-ignored labels (HF's
+        ``ForCausalLMLoss``). With the loss kernel the logits are never materialised (fused linear CE)."""
+        h = self.model(input_ids, attention_mask, position_ids)
+        targets = shift_labels(labels, ignore_index)
+        w, transpose = self._head()
+        w = w.astype(h.dtype)
+        if self.kernels.loss:
+            return fused_linear_cross_entropy(h, w, targets, transpose=transpose, ignore_index=ignore_index)
+        logits = (h @ w.T if transpose else h @ w).astype(jnp.float32)
+        valid = targets != ignore_index
+        safe = jnp.where(valid, targets, 0)
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+        return jnp.sum(jnp.where(valid, logz - picked, 0.0)) / jnp.sum(valid)
