@@ -18,6 +18,19 @@ from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
 from .cross_entropy import check_targets
 
 
+
+def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad_w_tmp, need) -> None:
+    """One chunk's share of the input and weight gradients of ``logits = x @ weight.T``: grad_x rows written,
+    grad_w accumulated (through the fp32 scratch ``grad_w_tmp`` when it accumulates in fp32)."""
+    if need[0]:
+        torch.mm(dlogits, weight, out=grad_x_chunk)
+    if need[1]:
+        if grad_w_tmp is not None:
+            torch.mm(dlogits.t(), x_chunk, out=grad_w_tmp)
+            grad_w.add_(grad_w_tmp)
+        else:
+            grad_w.addmm_(dlogits.t(), x_chunk)
+
 def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need, grad_scale=None):
     """Losses (fp32 per row, and z parts) and, when ``need`` asks, gradients for an incoming gradient of 1
     (or ``grad_scale`` per row). ``need`` = (x, weight, bias) flags; all False: forward only."""
@@ -58,14 +71,7 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
         if not compute_grad:
             continue
         dlogits = outs[-1]
-        if need[0]:
-            torch.mm(dlogits, weight, out=grad_x[start:stop])
-        if need[1]:
-            if grad_w_tmp is not None:
-                torch.mm(dlogits.t(), xc, out=grad_w_tmp)
-                grad_w.add_(grad_w_tmp)
-            else:
-                grad_w.addmm_(dlogits.t(), xc)
+        accumulate_linear_grads(dlogits, xc, weight, grad_x[start:stop], grad_w, grad_w_tmp, need)
         if need[2]:
             grad_b.add_(dlogits.sum(0, dtype=torch.float32))
     z = torch.cat(z_losses) if z_losses else None

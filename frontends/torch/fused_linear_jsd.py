@@ -12,6 +12,7 @@ from torch import nn
 from liger_core import fused_linear_jsd as core
 
 from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
+from .fused_linear_cross_entropy import accumulate_linear_grads
 
 
 def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
@@ -50,14 +51,7 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
         if not compute_grad:
             continue
         dlogits = outs[1].to(xs.dtype)
-        if need[0]:
-            torch.mm(dlogits, ws, out=grad_x[start:stop])
-        if need[1]:
-            if grad_w_tmp is not None:
-                torch.mm(dlogits.t(), xc, out=grad_w_tmp)
-                grad_w.add_(grad_w_tmp)
-            else:
-                grad_w.addmm_(dlogits.t(), xc)
+        accumulate_linear_grads(dlogits, xc, ws, grad_x[start:stop], grad_w, grad_w_tmp, need)
     return torch.cat(losses), grad_x, grad_w
 
 
