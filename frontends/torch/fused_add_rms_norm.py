@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from liger_core import fused_add_rms_norm as core
-from liger_core.rms_norm import CASTING_MODES
 
 from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan
+from .rms_norm import RMSNorm
 
 
 class LigerFusedAddRMSNormFunction(torch.autograd.Function):
@@ -56,28 +55,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                                               bool(in_place))
 
 
-class FusedAddRMSNorm(nn.Module):
+class FusedAddRMSNorm(RMSNorm):
     """``forward(hidden_states, residual) -> (normed, new_residual)``; the parameter is ``weight`` (the
     state_dict of ``LlamaRMSNorm`` / ``liger_torch.RMSNorm``), the epsilon ``variance_epsilon``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
                  in_place: bool = False, init_fn: str = "ones", device=None, dtype=None):
-        super().__init__()
-        if init_fn not in ("ones", "zeros"):
-            raise ValueError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
-        if casting_mode not in CASTING_MODES:
-            raise ValueError(f"casting_mode must be one of {tuple(CASTING_MODES)}, got {casting_mode!r}")
-        fill = torch.ones if init_fn == "ones" else torch.zeros
-        self.weight = nn.Parameter(fill(hidden_size, device=device, dtype=dtype))
-        self.variance_epsilon = eps
-        self.offset = offset
-        self.casting_mode = casting_mode
-        self.in_place = in_place
+        # Same parameters and attributes as RMSNorm; only the default of in_place differs (see the function).
+        super().__init__(hidden_size, eps, offset, casting_mode, in_place, init_fn, device, dtype)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon, self.offset,
                                   self.casting_mode, self.in_place)
-
-    def extra_repr(self) -> str:
-        return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
-                f"casting_mode={self.casting_mode!r}, in_place={self.in_place}")
