@@ -143,6 +143,7 @@ def test_num_items_in_batch_accumulation_equals_big_batch(device, seed):
 def test_convergence_adamw(family, device, seed):
     """20 AdamW steps on a fixed synthetic batch stream: per-step losses and final parameters match."""
     def train(model):
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         model.train()
         losses = []
@@ -153,17 +154,20 @@ def test_convergence_adamw(family, device, seed):
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        return torch.stack(losses), dict(model.named_parameters())
+        return torch.stack(losses), dict(model.named_parameters()), start
 
     stream = [batch(seed + i, device, batch_size=1, seq=8) for i in range(2)]  # a cycle it can learn
-    ref_losses, ref_params = train(build(family, seed, device))
+    ref_losses, ref_params, start = train(build(family, seed, device))
     with liger_kernel_patched(family):
-        losses, params = train(build(family, seed, device))
+        losses, params, _ = train(build(family, seed, device))
     assert losses[-1] < losses[0] - 0.3  # it learns
-    # AdamW normalises the updates, so rounding-level gradient differences reach the parameters at lr scale
     assert_close(losses, ref_losses, F32, "per-step losses", scale=10)
+    # AdamW divides by sqrt(v): where a gradient element is rounding-sized its update is lr * (noise sign), so
+    # single elements may differ by ~lr between two correct runs (seen on CI). Compare each tensor's training
+    # update as a whole instead: measured drift is <= 1e-4 of the update's norm; a wrong gradient gives ~1.
     for n in ref_params:
-        assert_close(params[n], ref_params[n], F32, f"final {n}", scale=10)
+        drift = (params[n] - ref_params[n]).norm() / (ref_params[n] - start[n]).norm()
+        assert drift <= 2e-3, f"final {n}: differs by {drift.item():.2e} of its training update"
 
 
 def test_peft_lora_instance_patching(device, seed):
