@@ -7,6 +7,9 @@ import pytest
 
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU: keep jax from probing for one
+    # A 4-device CPU mesh for the sharding tests (must be set before jax initialises its backend).
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 # Several test workers share one GPU with torch: jax must not take 75% of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
