@@ -3,10 +3,14 @@ against F.cross_entropy on fp32-upcast logits (eager and torch.compile), Liger-K
 
 from __future__ import annotations
 
-from .harness import TORCH_PROVIDERS, Case, eager_or_compiled, jax_runner, row_cases, torch_pass_runner
+from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_runner, row_cases, sweep,
+                      torch_pass_runner, unique_shapes)
 
-SHAPES = [(8192, 128256), (8192, 32000), (16384, 256000)]
-QUICK = [(8192, 128256)]
+# vocabulary sizes (Llama-2, Mistral-Nemo-ish, Llama-3, Gemma) at 8k tokens, then tokens at Llama-3's vocabulary
+SHAPES = unique_shapes(sweep({"tokens": 8192}, "vocab", [32000, 65536, 128256, 256000]),
+                       sweep({"vocab": 128256}, "tokens", [2048, 4096, 8192, 16384, 32768]))
+QUICK = sweep({"tokens": 8192}, "vocab", [32000, 128256, 256000])
+SMOKE = sweep({"tokens": 8}, "vocab", [96])
 
 
 def hf_cross_entropy(logits, target):
@@ -19,8 +23,8 @@ def hf_cross_entropy(logits, target):
 def _torch_inputs(n, v, requires_grad):
     import torch
 
-    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    target = torch.randint(0, v, (n,), device="cuda")
+    logits = torch.randn(n, v, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    target = torch.randint(0, v, (n,), device=device())
     target[::10] = -100
     return logits, target
 
@@ -48,7 +52,7 @@ def _make_torch(name, n, v, pass_):
 
         fn = _torch_provider(name)
         logits, target = _torch_inputs(n, v, pass_ != "fwd")
-        return torch_pass_runner(lambda x: fn(x, target), (logits,), torch.tensor(1.0, device="cuda"), pass_)
+        return torch_pass_runner(lambda x: fn(x, target), (logits,), torch.tensor(1.0, device=device()), pass_)
 
     return make
 
@@ -61,7 +65,7 @@ def _make_jax(name, n, v, pass_):
 
         import liger_jax
 
-        k1, k2 = jax.random.split(jax.random.key(n + v))
+        k1, k2 = jax.random.split(jax_key(n, v))
         logits = jax.random.normal(k1, (n, v), jnp.bfloat16)
         labels = jax.random.randint(k2, (n,), 0, v)
         if name == "liger_jax":
@@ -75,7 +79,8 @@ def _make_jax(name, n, v, pass_):
     return make
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     # fwd: the logits read once; fwd+bwd: read once and their gradient written once.
-    return row_cases("cross_entropy", QUICK if quick else SHAPES, _make_torch, _make_jax, {"fwd": 1, "fwd+bwd": 2},
-                     torch_names=("liger_torch", "liger_torch_copy") + TORCH_PROVIDERS[1:])
+    return row_cases("cross_entropy", SMOKE if smoke else QUICK if quick else SHAPES, _make_torch, _make_jax,
+                     {"fwd": 1, "fwd+bwd": 2}, torch_names=("liger_torch", "liger_torch_copy") + TORCH_PROVIDERS[1:],
+                     axes=("tokens", "vocab"))

@@ -4,10 +4,14 @@ Liger-Kernel and XLA."""
 
 from __future__ import annotations
 
-from .harness import Case, eager_or_compiled, jax_pass_runner, row_cases, torch_pass_runner
+from .harness import (Case, device, eager_or_compiled, jax_key, jax_pass_runner, row_cases, sweep,
+                      torch_pass_runner, unique_shapes)
 
-SHAPES = [(16384, 4096), (4096, 16384), (32768, 2048), (65536, 8192)]
-QUICK = [(16384, 4096), (4096, 16384)]
+# tokens at a Llama-3-8B hidden size, then hidden sizes at 16k tokens
+SHAPES = unique_shapes(sweep({"hidden": 4096}, "tokens", [2048, 4096, 8192, 16384, 32768, 65536]),
+                       sweep({"tokens": 16384}, "hidden", [1024, 2048, 4096, 8192, 16384]))
+QUICK = sweep({"hidden": 4096}, "tokens", [4096, 16384, 65536])
+SMOKE = sweep({"hidden": 64}, "tokens", [8])
 EPS = 1e-6
 
 
@@ -25,11 +29,11 @@ def hf_fused_add_rms_norm(x, r, w):
 def _torch_inputs(n, h, requires_grad):
     import torch
 
-    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    r = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    w = (torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_(requires_grad)
-    gy = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
-    gh = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(n, h, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    r = torch.randn(n, h, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    w = (torch.rand(h, device=device(), dtype=torch.bfloat16) + 0.5).requires_grad_(requires_grad)
+    gy = torch.randn(n, h, device=device(), dtype=torch.bfloat16)
+    gh = torch.randn(n, h, device=device(), dtype=torch.bfloat16)
     return x, r, w, gy, gh
 
 
@@ -61,7 +65,7 @@ def _make_jax(name, n, h, pass_):
 
         import liger_jax
 
-        k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(n + h), 5)
+        k1, k2, k3, k4, k5 = jax.random.split(jax_key(n, h), 5)
         x = jax.random.normal(k1, (n, h), jnp.bfloat16)
         r = jax.random.normal(k2, (n, h), jnp.bfloat16)
         w = (jax.random.uniform(k3, (h,)) + 0.5).astype(jnp.bfloat16)
@@ -79,6 +83,7 @@ def _make_jax(name, n, h, pass_):
     return make
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     # full tensors moved: x, residual, y, h  (+ dy, dh, h again, dx, dresidual)
-    return row_cases("fused_add_rms_norm", QUICK if quick else SHAPES, _make_torch, _make_jax, {"fwd": 4, "fwd+bwd": 9})
+    return row_cases("fused_add_rms_norm", SMOKE if smoke else QUICK if quick else SHAPES, _make_torch, _make_jax,
+                     {"fwd": 4, "fwd+bwd": 9})

@@ -4,10 +4,14 @@ cut_cross_entropy and matmul + optax under XLA. Peak extra memory is the point a
 
 from __future__ import annotations
 
-from .harness import TORCH_PROVIDERS, Case, eager_or_compiled, jax_runner, provider_cases, torch_pass_runner
+from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_runner, passes,
+                      provider_cases, sweep, torch_pass_runner, unique_shapes)
 
-SHAPES = [(8192, 4096, 128256), (16384, 4096, 128256), (8192, 2048, 256000)]
-QUICK = [(8192, 4096, 128256)]
+# tokens at Llama-3-8B's (hidden, vocab), then vocabulary sizes at 8k tokens
+SHAPES = unique_shapes(sweep({"hidden": 4096, "vocab": 128256}, "tokens", [2048, 4096, 8192, 16384, 32768]),
+                       sweep({"tokens": 8192, "hidden": 4096}, "vocab", [32000, 65536, 128256, 256000]))
+QUICK = sweep({"hidden": 4096, "vocab": 128256}, "tokens", [4096, 8192, 16384])
+SMOKE = [{"tokens": 8, "hidden": 32, "vocab": 96}]
 
 
 def matmul_cross_entropy(x, w, target):
@@ -19,9 +23,9 @@ def matmul_cross_entropy(x, w, target):
 def _torch_inputs(n, h, v, requires_grad):
     import torch
 
-    x = (torch.randn(n, h, device="cuda", dtype=torch.bfloat16) * 0.5).requires_grad_(requires_grad)
-    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5).requires_grad_(requires_grad)
-    target = torch.randint(0, v, (n,), device="cuda")
+    x = (torch.randn(n, h, device=device(), dtype=torch.bfloat16) * 0.5).requires_grad_(requires_grad)
+    w = (torch.randn(v, h, device=device(), dtype=torch.bfloat16) * h ** -0.5).requires_grad_(requires_grad)
+    target = torch.randint(0, v, (n,), device=device())
     target[::10] = -100
     return x, w, target
 
@@ -49,7 +53,7 @@ def _make_torch(name, n, h, v, pass_):
 
         fn = _torch_provider(name)
         x, w, target = _torch_inputs(n, h, v, pass_ != "fwd")
-        return torch_pass_runner(lambda a, b: fn(a, b, target), (x, w), torch.tensor(1.0, device="cuda"), pass_)
+        return torch_pass_runner(lambda a, b: fn(a, b, target), (x, w), torch.tensor(1.0, device=device()), pass_)
 
     return make
 
@@ -62,7 +66,7 @@ def _make_jax(name, n, h, v, pass_):
 
         import liger_jax
 
-        k1, k2, k3 = jax.random.split(jax.random.key(n + h + v), 3)
+        k1, k2, k3 = jax.random.split(jax_key(n, h, v), 3)
         x = (jax.random.normal(k1, (n, h)) * 0.5).astype(jnp.bfloat16)
         kernel = (jax.random.normal(k2, (h, v)) * h ** -0.5).astype(jnp.bfloat16)  # Flax (H, V) layout
         labels = jax.random.randint(k3, (n,), 0, v)
@@ -78,14 +82,16 @@ def _make_jax(name, n, h, v, pass_):
     return make
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     out = []
-    for n, h, v in QUICK if quick else SHAPES:
-        for pass_ in ("fwd", "fwd+bwd"):
+    for shape in SMOKE if smoke else QUICK if quick else SHAPES:
+        n, h, v = shape["tokens"], shape["hidden"], shape["vocab"]
+        for pass_ in passes():
             # fwd: x @ W^T; fwd+bwd: that plus dx = dlogits @ W and dW = dlogits^T @ x.
             flops = (2 if pass_ == "fwd" else 6) * n * h * v
             out += provider_cases("fused_linear_cross_entropy", pass_, f"{n}x{h}x{v}",
                                   lambda name: _make_torch(name, n, h, v, pass_),
                                   lambda name: _make_jax(name, n, h, v, pass_),
-                                  torch_names=TORCH_PROVIDERS + ("cut_cross_entropy",), flops=flops)
+                                  torch_names=TORCH_PROVIDERS + ("cut_cross_entropy",), flops=flops,
+                                  params=shape)
     return out

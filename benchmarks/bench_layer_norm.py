@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
-from .harness import Case, eager_or_compiled, jax_pass_runner, row_cases, torch_pass_runner
+from .harness import (Case, device, eager_or_compiled, jax_key, jax_pass_runner, row_cases, sweep,
+                      torch_pass_runner, unique_shapes)
 
-SHAPES = [(16384, 4096), (4096, 16384), (32768, 2048), (65536, 8192)]
-QUICK = [(16384, 4096), (4096, 16384)]
+# tokens at a Llama-3-8B hidden size, then hidden sizes at 16k tokens
+SHAPES = unique_shapes(sweep({"hidden": 4096}, "tokens", [2048, 4096, 8192, 16384, 32768, 65536]),
+                       sweep({"tokens": 16384}, "hidden", [1024, 2048, 4096, 8192, 16384]))
+QUICK = sweep({"hidden": 4096}, "tokens", [4096, 16384, 65536])
+SMOKE = sweep({"hidden": 64}, "tokens", [8])
 EPS = 1e-5
 
 
@@ -19,10 +23,10 @@ def eager_layer_norm(x, w, b):
 def _torch_inputs(n, h, requires_grad):
     import torch
 
-    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    w = (torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_(requires_grad)
-    b = torch.randn(h, device="cuda", dtype=torch.bfloat16).requires_grad_(requires_grad)
-    g = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(n, h, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    w = (torch.rand(h, device=device(), dtype=torch.bfloat16) + 0.5).requires_grad_(requires_grad)
+    b = torch.randn(h, device=device(), dtype=torch.bfloat16).requires_grad_(requires_grad)
+    g = torch.randn(n, h, device=device(), dtype=torch.bfloat16)
     return x, w, b, g
 
 
@@ -54,7 +58,7 @@ def _make_jax(name, n, h, pass_):
 
         import liger_jax
 
-        k1, k2, k3, k4 = jax.random.split(jax.random.key(n + h), 4)
+        k1, k2, k3, k4 = jax.random.split(jax_key(n, h), 4)
         x = jax.random.normal(k1, (n, h), jnp.bfloat16)
         w = (jax.random.uniform(k2, (h,)) + 0.5).astype(jnp.bfloat16)
         b = jax.random.normal(k3, (h,), jnp.bfloat16)
@@ -73,6 +77,7 @@ def _make_jax(name, n, h, pass_):
     return make
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     # full tensors moved: x, y  (+ dy, x again, dx)
-    return row_cases("layer_norm", QUICK if quick else SHAPES, _make_torch, _make_jax, {"fwd": 2, "fwd+bwd": 5})
+    return row_cases("layer_norm", SMOKE if smoke else QUICK if quick else SHAPES, _make_torch, _make_jax,
+                     {"fwd": 2, "fwd+bwd": 5})

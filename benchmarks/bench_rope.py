@@ -4,10 +4,15 @@ XLA."""
 
 from __future__ import annotations
 
-from .harness import Case, eager_or_compiled, jax_pass_runner, provider_cases, torch_pass_runner
+from .harness import (Case, device, eager_or_compiled, jax_key, jax_pass_runner, passes, provider_cases, sweep,
+                      torch_pass_runner)
 
-SHAPES = [(4, 4096, 32, 8, 128), (1, 16384, 32, 8, 128)]
-QUICK = [(4, 4096, 32, 8, 128)]
+# (batch, seq, q heads, kv heads, head dim): sequence lengths at batch 1
+_LLAMA3_8B = {"batch": 1, "heads_q": 32, "heads_kv": 8, "head_dim": 128}
+SHAPES = sweep(_LLAMA3_8B, "seq", [2048, 4096, 8192, 16384, 32768, 65536])
+QUICK = sweep(_LLAMA3_8B, "seq", [4096, 16384, 65536])
+SMOKE = [{"batch": 1, "seq": 4, "heads_q": 2, "heads_kv": 1, "head_dim": 8}]
+KEYS = ("batch", "seq", "heads_q", "heads_kv", "head_dim")
 THETA = 500000.0
 
 
@@ -26,10 +31,10 @@ def hf_rope(q, k, cos, sin):
 def _torch_inputs(b, t, hq, hk, d, requires_grad):
     import torch
 
-    q = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    k = torch.randn(b, hk, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    inv_freq = 1.0 / (THETA ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
-    freqs = torch.arange(t, device="cuda", dtype=torch.float32)[:, None] * inv_freq[None, :]
+    q = torch.randn(b, hq, t, d, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    k = torch.randn(b, hk, t, d, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    inv_freq = 1.0 / (THETA ** (torch.arange(0, d, 2, device=device(), dtype=torch.float32) / d))
+    freqs = torch.arange(t, device=device(), dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1)
     cos = emb.cos()[None].expand(b, t, d).to(torch.bfloat16).contiguous()
     sin = emb.sin()[None].expand(b, t, d).to(torch.bfloat16).contiguous()
@@ -66,7 +71,7 @@ def _make_jax(name, shape, pass_):
         import liger_jax
 
         b, t, hq, hk, d = shape
-        k1, k2, k3, k4 = jax.random.split(jax.random.key(t + hq), 4)
+        k1, k2, k3, k4 = jax.random.split(jax_key(b, t, hq, hk, d), 4)
         q = jax.random.normal(k1, (b, t, hq, d), jnp.bfloat16)
         k = jax.random.normal(k2, (b, t, hk, d), jnp.bfloat16)
         gq = jax.random.normal(k3, q.shape, jnp.bfloat16)
@@ -90,14 +95,15 @@ def _make_jax(name, shape, pass_):
     return make
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     out = []
-    for shape in QUICK if quick else SHAPES:
+    for params in SMOKE if smoke else QUICK if quick else SHAPES:
+        shape = tuple(params[k] for k in KEYS)
         b, t, hq, hk, d = shape
         qk_bytes = b * t * (hq + hk) * d * 2
         label = f"B{b} T{t} H{hq}/{hk} D{d}"
-        for pass_ in ("fwd", "fwd+bwd"):
+        for pass_ in passes():
             nbytes = (2 if pass_ == "fwd" else 4) * qk_bytes  # q, k in and out (+ dq, dk in and out)
             out += provider_cases("rope", pass_, label, lambda name: _make_torch(name, shape, pass_),
-                                  lambda name: _make_jax(name, shape, pass_), bytes=nbytes)
+                                  lambda name: _make_jax(name, shape, pass_), bytes=nbytes, params=params)
     return out

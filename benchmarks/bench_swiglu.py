@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import functools
 
-from .harness import Case, eager_or_compiled, jax_pass_runner, row_cases, torch_pass_runner
+from .harness import (Case, device, eager_or_compiled, jax_key, jax_pass_runner, row_cases, sweep,
+                      torch_pass_runner, unique_shapes)
 
-SHAPES = [(16384, 14336)]
-QUICK = [(16384, 14336)]
+# (tokens, intermediate): tokens at Llama-3-8B's intermediate size, then intermediate sizes at 16k tokens
+SHAPES = unique_shapes(sweep({"intermediate": 14336}, "tokens", [2048, 4096, 8192, 16384, 32768]),
+                       sweep({"tokens": 16384}, "intermediate", [4096, 8192, 14336, 28672]))
+QUICK = sweep({"intermediate": 14336}, "tokens", [4096, 16384, 32768])
+SMOKE = sweep({"intermediate": 64}, "tokens", [8])
 KERNELS = ("swiglu", "geglu")
 
 
@@ -24,9 +28,9 @@ def hf_gated(kernel):
 def _torch_inputs(n, h, requires_grad):
     import torch
 
-    a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    b = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
-    g = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, h, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    b = torch.randn(n, h, device=device(), dtype=torch.bfloat16, requires_grad=requires_grad)
+    g = torch.randn(n, h, device=device(), dtype=torch.bfloat16)
     return a, b, g
 
 
@@ -66,7 +70,7 @@ def _make_jax(kernel, name, n, h, pass_):
 
         import liger_jax
 
-        k1, k2, k3 = jax.random.split(jax.random.key(n + h), 3)
+        k1, k2, k3 = jax.random.split(jax_key(n, h), 3)
         a = jax.random.normal(k1, (n, h), jnp.bfloat16)
         b = jax.random.normal(k2, (n, h), jnp.bfloat16)
         g = jax.random.normal(k3, (n, h), jnp.bfloat16)
@@ -81,10 +85,11 @@ def _make_jax(kernel, name, n, h, pass_):
     return make
 
 
-def cases(quick: bool = False) -> list[Case]:
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     out = []
     for kernel in KERNELS:
         # full tensors moved: a, b, c  (+ dc, a, b again, da, db)
-        out += row_cases(kernel, QUICK if quick else SHAPES, functools.partial(_make_torch, kernel),
-                         functools.partial(_make_jax, kernel), {"fwd": 3, "fwd+bwd": 8})
+        out += row_cases(kernel, SMOKE if smoke else QUICK if quick else SHAPES,
+                         functools.partial(_make_torch, kernel), functools.partial(_make_jax, kernel),
+                         {"fwd": 3, "fwd+bwd": 8}, axes=("tokens", "intermediate"))
     return out

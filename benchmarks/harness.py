@@ -1,11 +1,23 @@
-"""Benchmark harness: timing, peak memory, ceilings and the results files.
+"""Benchmark harness: timing, peak memory, ceilings, tasks and the results file.
 
-A benchmark module (``benchmarks/bench_<family>.py``) defines ``cases(quick: bool) -> list[Case]``. Each case
-names a kernel, a pass (``fwd`` or ``fwd+bwd``), a shape, a dtype and a provider, the bytes that must move
-(each input read once, each output written once) or the flops that must be done, and ``make``: a function
-that allocates the inputs and returns a zero-argument callable running the op once. Torch callables are timed
-with CUDA events (``triton.testing.do_bench``, which also flushes L2 between repetitions); jax callables with a
-host clock around several queued calls and one ``block_until_ready`` (jax runs on its own stream).
+A benchmark module (``benchmarks/bench_<name>.py``) defines either ``cases(quick, smoke) -> list[Case]`` (one
+timed op per case: a kernel, a pass, a shape, a provider) or ``tasks(quick, smoke) -> list[Task]`` (work that
+makes its own points, e.g. the end-to-end training steps). A case names the bytes that must move (each input read
+once, each output written once) or the flops that must be done, and ``make``: a function that allocates fresh
+random inputs and returns a zero-argument callable running the op once.
+
+Timing:
+- torch on a GPU: CUDA events around each repetition, L2 flushed (a 256 MB buffer zeroed) before each one, so
+  inputs that would fit in L2 are never timed hot (what rotating them would achieve); ~25 ms of warm-up, then
+  ~100 ms of repetitions and at least ``min_reps`` of them; all repetition times are kept (median, p20, p80).
+- jax: host clock around several queued calls and one ``block_until_ready`` (jax runs on its own stream); inputs
+  that fit in L2 are rotated between copies.
+- CPU (``--smoke``: tiny shapes, kernels in Triton's interpreter): host clock, few repetitions. These numbers
+  test the code path, not the kernels.
+
+Memory: torch, peak allocated during one run above what was allocated before it (the inputs); jax, XLA's
+compiled-program temporaries + outputs. A provider that fails is recorded (status ``oom`` / ``error`` /
+``unavailable`` when its package is not importable / ``skipped``), never dropped.
 """
 
 from __future__ import annotations
@@ -14,14 +26,42 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 import traceback
 from typing import Any, Callable
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+SCHEMA = 2
+
+# Set by the runner (benchmarks/__main__.py) before any module builds its cases.
+SETTINGS = {"smoke": False, "quick": False}
+
+
+def smoke() -> bool:
+    return bool(SETTINGS["smoke"])
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def device() -> str:
+    """Where torch inputs live: ``cuda`` when a GPU is visible, else ``cpu`` (smoke runs, interpreter)."""
+    try:
+        return "cuda" if _torch().cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
+
+
+class Skipped(Exception):
+    """A provider deliberately not run at this point (recorded with status ``skipped``)."""
 
 
 @dataclasses.dataclass
@@ -35,45 +75,139 @@ class Case:
     make: Callable[[], Callable[[], Any]]
     bytes: int = 0
     flops: int = 0
+    params: dict = dataclasses.field(default_factory=dict)  # the shape's named sizes (the plots' axes)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} {self.pass_} {self.shape} {self.provider}"
+
+    def meta(self) -> dict:
+        point = {k: getattr(self, k) for k in ("kernel", "shape", "dtype", "provider", "framework", "bytes",
+                                                "flops")}
+        point.update({"kind": "kernel", "pass": self.pass_, "params": dict(self.params)})
+        return point
 
 
-def _torch():
-    import torch
+@dataclasses.dataclass
+class Task:
+    """A unit of work: ``run(ceilings)`` returns its points. ``meta``: the fields a point of this task carries,
+    used to record it when the task is skipped or fails as a whole."""
 
-    return torch
+    label: str
+    run: Callable[[dict], list]
+    meta: dict
 
 
-def measure_ceilings() -> dict:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now on this GPU."""
+def case_task(case: Case) -> Task:
+    return Task(case.label, lambda ceilings: [run_case(case, ceilings)], case.meta())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Failures
+
+
+def classify(err: BaseException) -> tuple[str, str]:
+    """(status, message) of an exception: ``oom``, ``unavailable`` (an ImportError: the provider's package is
+    missing), ``skipped`` or ``error``."""
+    text = f"{type(err).__name__}: {str(err)[:400]}"
+    if isinstance(err, Skipped):
+        return "skipped", str(err)[:400]
+    if isinstance(err, ImportError):
+        return "unavailable", text
+    low = str(err).lower()
+    if ("out of memory" in low or "resource_exhausted" in low or "resource exhausted" in low
+            or type(err).__name__ == "OutOfMemoryError"):
+        return "oom", text
+    return "error", text
+
+
+def free_memory() -> None:
+    """On a GPU: collect garbage (cycles holding tensors, tracebacks) and return torch's cached blocks to the
+    driver, after each point and after an OOM. Nothing to do on the CPU."""
+    try:
+        torch = _torch()
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timing
+
+
+def _reps() -> dict:
+    if smoke():  # one repetition of a slow (interpreted) op, up to three of a fast one
+        return {"warmup_ms": 0.0, "rep_ms": 1.0, "min_reps": 1, "max_reps": 3}
+    return {"warmup_ms": 25.0, "rep_ms": 100.0, "min_reps": 10, "max_reps": 1000}
+
+
+def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps) -> list[float]:
     torch = _torch()
-    import triton.testing
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    run()  # first call: compilation, autotuning, lazy allocations
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        flush.zero_()
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 3, 1e-3)
+    if estimate > 1000:  # a second per call: a few repetitions are all the time allows
+        min_reps = min(min_reps, 3)
+    n_warmup = int(warmup_ms / estimate)
+    n_reps = max(min_reps, min(max_reps, int(rep_ms / estimate)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_reps)]
+    for _ in range(n_warmup):
+        run()
+    for i in range(n_reps):
+        flush.zero_()
+        starts[i].record()
+        run()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
-    src = torch.randn(2 * 1024**3 // 4, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
-    copy_gbps = 2 * src.numel() * 4 / copy_ms / 1e6
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
-    tflops = 2 * 8192**3 / mm_ms / 1e9
-    del a, b
-    torch.cuda.empty_cache()
-    return {"copy_GBps": round(copy_gbps, 1), "bf16_matmul_TFLOPs": round(tflops, 1)}
+
+def _time_host(run, min_reps, max_reps, rep_ms, sync=None) -> list[float]:
+    sync = sync or (lambda out: None)
+    sync(run())
+    times = []
+    total = 0.0
+    while len(times) < min_reps or (total < rep_ms and len(times) < max_reps):
+        t0 = time.perf_counter()
+        sync(run())
+        times.append((time.perf_counter() - t0) * 1e3)
+        total += times[-1]
+    return times
 
 
-def _time_torch(run) -> list[float]:
-    import triton.testing
+def time_torch(run) -> list[float]:
+    """Milliseconds of each repetition of ``run()`` (a torch op)."""
+    reps = _reps()
+    if device() == "cuda":
+        return _time_cuda(run, **reps)
+    return _time_host(run, reps["min_reps"], reps["max_reps"], reps["rep_ms"])
 
-    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="all")
 
-
-def _time_jax(run, calls: int = 10, reps: int = 15) -> list[float]:
+def time_jax(run) -> list[float]:
+    """Milliseconds per call: each repetition queues ``calls`` calls and waits for them all."""
     import jax
 
     jax.block_until_ready(run())  # compile
+    if smoke():
+        return _time_host(run, 1, 3, 1.0, sync=jax.block_until_ready)
+    t0 = time.perf_counter()
     for _ in range(3):
         jax.block_until_ready(run())
+    estimate = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
+    calls = max(1, min(10, math.ceil(5.0 / estimate)))
+    reps = max(5, min(15, int(3000.0 / (calls * estimate))))
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -83,8 +217,11 @@ def _time_jax(run, calls: int = 10, reps: int = 15) -> list[float]:
     return times
 
 
-def _torch_peak_mb(run) -> float:
+def torch_peak_extra_mb(run) -> float | None:
+    """Peak memory allocated during one ``run()`` above what was allocated before it (None on the CPU)."""
     torch = _torch()
+    if device() != "cuda":
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -93,130 +230,234 @@ def _torch_peak_mb(run) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _percentile(values, q):
+def percentile(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def summarize_ms(times) -> dict:
+    return {"median_ms": round(statistics.median(times), 4), "p20_ms": round(percentile(times, 0.2), 4),
+            "p80_ms": round(percentile(times, 0.8), 4), "reps": len(times)}
+
+
+def matmul_rate(ceilings: dict) -> float | None:
+    return ceilings.get("bf16_matmul_TFLOPs") or ceilings.get("matmul_TFLOPs")
+
+
+def _sig(x: float) -> float:
+    """Rounded for the file: 1 decimal from 100 up, else 3 significant digits (CPU smoke rates are tiny)."""
+    return round(x, 1) if abs(x) >= 100 else float(f"{x:.3g}")
+
+
+def add_floor(point: dict, ceilings: dict) -> None:
+    """GB/s or TFLOP/s reached, the floor (bytes / copy bandwidth, flops / matmul rate: the larger) and the
+    fraction of it reached (floor / median)."""
+    median = point["median_ms"]
+    floor = 0.0
+    if point.get("bytes"):
+        point["GBps"] = _sig(point["bytes"] / median / 1e6)
+        if ceilings.get("copy_GBps"):
+            floor = max(floor, point["bytes"] / (ceilings["copy_GBps"] * 1e6))
+    if point.get("flops"):
+        point["TFLOPs"] = _sig(point["flops"] / median / 1e9)
+        if matmul_rate(ceilings):
+            floor = max(floor, point["flops"] / (matmul_rate(ceilings) * 1e9))
+    if floor:
+        point["floor_ms"] = round(floor, 5)
+        frac = floor / median
+        point["of_floor"] = round(frac, 3) if frac >= 0.01 else float(f"{frac:.2g}")
+
+
 def run_case(case: Case, ceilings: dict) -> dict:
-    point = {k: getattr(case, k) for k in ("kernel", "pass_", "shape", "dtype", "provider", "framework",
-                                              "bytes", "flops")}
-    point["pass"] = point.pop("pass_")
+    point = case.meta()
+    run = None
     try:
         run = case.make()
         if case.framework == "torch":
-            times = _time_torch(run)
-            point["peak_extra_MB"] = round(_torch_peak_mb(run), 1)
+            times = time_torch(run)
+            peak = torch_peak_extra_mb(run)
         else:
-            times = _time_jax(run)
+            times = time_jax(run)
             peak = getattr(run, "peak_extra_MB", None)
-            point["peak_extra_MB"] = None if peak is None else round(peak, 1)
-        median = statistics.median(times)
-        point.update(status="ok", median_ms=round(median, 4), p20_ms=round(_percentile(times, 0.2), 4),
-                     p80_ms=round(_percentile(times, 0.8), 4))
-        if case.bytes:
-            point["GBps"] = round(case.bytes / median / 1e6, 1)
-            point["floor_ms"] = round(case.bytes / (ceilings["copy_GBps"] * 1e6), 4)
-        if case.flops:
-            point["TFLOPs"] = round(case.flops / median / 1e9, 1)
-            point["floor_ms"] = max(point.get("floor_ms", 0),
-                                    round(case.flops / (ceilings["bf16_matmul_TFLOPs"] * 1e9), 4))
-        if point.get("floor_ms"):
-            point["of_floor"] = round(point["floor_ms"] / median, 3)
+        point["peak_extra_MB"] = None if peak is None else round(peak, 1)
+        point.update(status="ok", **summarize_ms(times))
+        add_floor(point, ceilings)
     except Exception as err:  # a failing provider is recorded, not dropped
-        oom = "out of memory" in str(err).lower() or "RESOURCE_EXHAUSTED" in str(err)
-        point.update(status="oom" if oom else "error", error=f"{type(err).__name__}: {str(err)[:300]}")
-        if not oom:
+        point["status"], point["error"] = classify(err)
+        if point["status"] == "error":
             traceback.print_exc()
     finally:
         run = None
-        gc.collect()
-        try:
-            _torch().cuda.empty_cache()
-        except Exception:
-            pass
+        free_memory()
     return point
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Ceilings and the environment
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now (on the CPU: small sizes, for
+    smoke runs only)."""
+    torch = _torch()
+    if device() == "cuda":
+        src = torch.randn(2 * 1024**3 // 4, device="cuda")
+        dst = torch.empty_like(src)
+        copy_ms = statistics.median(_time_cuda(lambda: dst.copy_(src), 50, 200, 10, 1000))
+        copy_gbps = 2 * src.numel() * 4 / copy_ms / 1e6
+        del src, dst
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        mm_ms = statistics.median(_time_cuda(lambda: a @ b, 50, 200, 10, 1000))
+        del a, b
+        torch.cuda.empty_cache()
+    else:
+        src = torch.randn(2**20)
+        dst = torch.empty_like(src)
+        copy_ms = statistics.median(_time_host(lambda: dst.copy_(src), 3, 5, 0.0))
+        copy_gbps = 2 * src.numel() * 4 / copy_ms / 1e6
+        n = 128
+        a = torch.randn(n, n, dtype=torch.bfloat16)
+        b = torch.randn(n, n, dtype=torch.bfloat16)
+        mm_ms = statistics.median(_time_host(lambda: a @ b, 3, 5, 0.0))
+    return {"copy_GBps": round(copy_gbps, 1), "bf16_matmul_TFLOPs": round(2 * n**3 / mm_ms / 1e9, 3),
+            "device": device()}
+
+
+def torch_machine() -> dict:
+    """Properties of the GPU as torch sees it (call where CUDA may be initialised: a worker)."""
+    torch = _torch()
+    if not torch.cuda.is_available():
+        return {}
+    out = {"gpu": torch.cuda.get_device_name()}
+    try:
+        props = torch.cuda.get_device_properties(0)
+        out["gpu_memory_GiB"] = round(props.total_memory / 2**30, 1)
+        out["sm_count"] = props.multi_processor_count
+        l2 = getattr(props, "L2_cache_size", None)
+        if l2:
+            out["l2_MB"] = round(l2 / 2**20, 1)
+        out["cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    return out
+
+
+def l2_bytes() -> int:
+    try:
+        torch = _torch()
+        if torch.cuda.is_available():
+            return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 * 2**20)
+    except Exception:
+        pass
+    return 64 * 2**20
+
+
+PACKAGES = ("torch", "triton", "jax", "jaxlib", "flax", "optax", "transformers", "liger-kernel",
+            "cut-cross-entropy", "jax-triton", "liger-kernels", "numpy")
+
+
+def _nvidia_smi() -> dict:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0 or not out.stdout.strip():
+            return {}
+        fields = [s.strip() for s in out.stdout.strip().splitlines()[0].split(",")]
+        return dict(zip(("gpu", "driver", "gpu_memory"), fields))
+    except Exception:
+        return {}
+
+
 def environment() -> dict:
-    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version()}
-    for name in ("torch", "triton", "jax", "jaxlib", "flax", "transformers", "liger_kernel", "cut_cross_entropy",
-                 "jax_triton"):
+    """Date, machine and package versions, without initialising CUDA or jax in this process."""
+    from importlib import metadata
+
+    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+           "platform": platform.platform(), "cpu_count": os.cpu_count()}
+    for name in PACKAGES:
         try:
-            module = __import__(name)
-            env[name] = getattr(module, "__version__", "?")
+            env[name] = metadata.version(name)
         except Exception:
             env[name] = None
-    try:
-        env["gpu"] = _torch().cuda.get_device_name()
-    except Exception:
-        env["gpu"] = None
+    env.update(_nvidia_smi())
+    env.setdefault("gpu", None)
     return env
 
 
-def write_results(env: dict, ceilings: dict, points: list[dict], tag: str | None = None) -> tuple[str, str]:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+# ---------------------------------------------------------------------------------------------------------
+# Results files
+
+
+def point_key(p: dict) -> tuple:
+    return tuple(str(p.get(k)) for k in ("module", "kind", "kernel", "model", "pass", "shape", "provider",
+                                          "framework"))
+
+
+def results_stem(env: dict, tag: str | None, out_dir: str | None = None) -> str:
     gpu = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
-    stem = os.path.join(RESULTS_DIR, f"{gpu}-{env['date']}" + (f"-{tag}" if tag else ""))
+    return os.path.join(out_dir or RESULTS_DIR, f"{gpu}-{env['date']}" + (f"-{tag}" if tag else ""))
+
+
+def load_results(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def new_results(env: dict) -> dict:
+    return {"schema": SCHEMA, "environment": env, "ceilings": {}, "machine": {}, "runs": [], "points": []}
+
+
+def merge_points(results: dict, points: list[dict]) -> None:
+    """Add ``points`` to ``results``: a point with the key of an existing one replaces it in place."""
+    index = {point_key(p): i for i, p in enumerate(results["points"])}
+    for p in points:
+        k = point_key(p)
+        if k in index:
+            results["points"][index[k]] = p
+        else:
+            index[k] = len(results["points"])
+            results["points"].append(p)
+
+
+def write_results(results: dict, stem: str, mirror: str | None = None, changed=None) -> tuple[str, str]:
+    """Write ``<stem>.json``, then render ``<stem>.md`` and ``<stem>-plots/*.png`` from it (also copied to
+    ``mirror`` when given: the device tool's $OUT). ``changed``: the report sections whose plots need drawing
+    again (None: all)."""
+    from . import report
+
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".json", "w") as f:
-        json.dump({"environment": env, "ceilings": ceilings, "points": points}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(render_markdown(env, ceilings, points))
-    return stem + ".json", stem + ".md"
+        json.dump(results, f, indent=1)
+    md_path = report.render_files(stem + ".json", changed=changed)
+    if mirror:
+        import shutil
+
+        os.makedirs(mirror, exist_ok=True)
+        for path in (stem + ".json", md_path):
+            shutil.copy(path, mirror)
+        plots = stem + "-plots"
+        if os.path.isdir(plots):
+            shutil.copytree(plots, os.path.join(mirror, os.path.basename(plots)), dirs_exist_ok=True)
+    return stem + ".json", md_path
 
 
-def render_markdown(env: dict, ceilings: dict, points: list[dict]) -> str:
-    versions = ", ".join(f"{k} {v}" for k, v in env.items() if v and k not in ("date", "gpu"))
-    lines = [f"# Benchmarks on {env.get('gpu')} ({env['date']})", "", versions, "",
-             f"Ceilings measured in the same run: copy {ceilings.get('copy_GBps')} GB/s, "
-             f"bf16 matmul {ceilings.get('bf16_matmul_TFLOPs')} TFLOP/s.", "",
-             "| kernel | pass | shape | dtype | provider | median ms (p20-p80) | GB/s | TFLOP/s | of floor | "
-             "peak extra MB |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for p in points:
-        if p["status"] != "ok":
-            lines.append(f"| {p['kernel']} | {p['pass']} | {p['shape']} | {p['dtype']} | {p['provider']} | "
-                         f"{p['status']} | | | | |")
-            continue
-        lines.append(
-            f"| {p['kernel']} | {p['pass']} | {p['shape']} | {p['dtype']} | {p['provider']} | "
-            f"{p['median_ms']:.3f} ({p['p20_ms']:.3f}-{p['p80_ms']:.3f}) | {p.get('GBps', '')} | "
-            f"{p.get('TFLOPs', '')} | {p.get('of_floor', '')} | {p.get('peak_extra_MB', '')} |")
-    return "\n".join(lines) + "\n"
+def short_line(p: dict) -> str:
+    """One line of progress output for a point."""
+    if p.get("kind") in ("e2e_step",):
+        what = f"{p.get('tokens_per_s', 0):.0f} tok/s" if p["status"] == "ok" else p["status"]
+        return f"{p.get('model')} {p.get('shape')} {p.get('provider')}: {what}"
+    if p.get("kind") == "e2e_longest":
+        return f"{p.get('model')} longest {p.get('provider')}: {p.get('longest_fit')} ({p['status']})"
+    what = f"{p['median_ms']:.3f} ms" if p["status"] == "ok" else p["status"]
+    if p["status"] == "ok" and p.get("of_floor"):
+        what += f" ({100 * p['of_floor']:.0f}% of floor)"
+    return f"{p.get('kernel')} {p.get('pass')} {p.get('shape')} {p.get('provider')}: {what}"
 
 
-def short_table(points: list[dict]) -> str:
-    rows = [f"{'kernel':<22}{'pass':<9}{'shape':<18}{'provider':<16}{'ms':>9}{'GB/s':>9}{'floor%':>8}{'MB':>9}"]
-    for p in points:
-        if p["status"] != "ok":
-            rows.append(f"{p['kernel']:<22}{p['pass']:<9}{p['shape']:<18}{p['provider']:<16}{p['status']:>9}")
-            continue
-        frac = p.get("of_floor")
-        rows.append(f"{p['kernel']:<22}{p['pass']:<9}{p['shape']:<18}{p['provider']:<16}{p['median_ms']:>9.3f}"
-                    f"{p.get('GBps', 0):>9.0f}{(100 * frac if frac else 0):>8.0f}"
-                    f"{(p.get('peak_extra_MB') or 0):>9.0f}")
-    return "\n".join(rows)
-
-
-def jax_extra_mb(jitted, *args) -> float | None:
-    """Device memory an XLA program needs beyond its arguments (temporaries + outputs)."""
-    try:
-        analysis = jitted.lower(*args).compile().memory_analysis()
-        return (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / 2**20
-    except Exception:
-        return None
-
-
-def jax_runner(fn, *args):
-    """jit ``fn``, and return a zero-argument runner carrying the program's extra memory."""
-    import jax
-
-    jitted = jax.jit(fn)
-
-    def run():
-        return jitted(*args)
-
-    run.peak_extra_MB = jax_extra_mb(jitted, *args)
-    return run
+# ---------------------------------------------------------------------------------------------------------
+# Provider helpers for the kernel modules
 
 
 TORCH_PROVIDERS = ("liger_torch", "torch_eager", "torch_compile", "liger_kernel")
@@ -224,36 +465,75 @@ JAX_PROVIDERS = ("liger_jax", "xla")
 
 
 def provider_cases(kernel, pass_, shape, make_torch, make_jax, torch_names=TORCH_PROVIDERS,
-                   jax_names=JAX_PROVIDERS, dtype="bf16", bytes=0, flops=0) -> list[Case]:
+                   jax_names=JAX_PROVIDERS, dtype="bf16", bytes=0, flops=0, params=None) -> list[Case]:
     """The cases of one kernel, pass and shape: one per torch provider, then one per jax provider, with
     ``make_torch(name)`` / ``make_jax(name)`` as each one's ``make``."""
-    return ([Case(kernel, pass_, shape, dtype, name, "torch", make_torch(name), bytes=bytes, flops=flops)
-             for name in torch_names]
-            + [Case(kernel, pass_, shape, dtype, name, "jax", make_jax(name), bytes=bytes, flops=flops)
-               for name in jax_names])
+    params = dict(params or {})
+    return ([Case(kernel, pass_, shape, dtype, name, "torch", make_torch(name), bytes=bytes, flops=flops,
+                  params=params) for name in torch_names]
+            + [Case(kernel, pass_, shape, dtype, name, "jax", make_jax(name), bytes=bytes, flops=flops,
+                    params=params) for name in jax_names])
 
 
-def row_cases(kernel, shapes, make_torch, make_jax, tensors_moved, torch_names=TORCH_PROVIDERS) -> list[Case]:
-    """The cases of a kernel over bf16 (rows, width) tensors: for each shape in ``shapes``, each pass, the
-    provider cases, ``make_torch(name, rows, width, pass_)`` / ``make_jax(...)`` giving each ``make``, with
-    bytes = ``tensors_moved[pass_]`` full tensors of 2-byte elements."""
+def passes() -> tuple[str, ...]:
+    """The passes measured: both, or only forward+backward in smoke runs (the longer code path)."""
+    return ("fwd+bwd",) if smoke() else ("fwd", "fwd+bwd")
+
+
+def sweep(fixed: dict, axis: str, values) -> list[dict]:
+    """Shapes as dicts: ``fixed`` with ``axis`` set to each of ``values``."""
+    return [{**fixed, axis: v} for v in values]
+
+
+def unique_shapes(*lists) -> list[dict]:
     out = []
-    for n, h in shapes:
-        for pass_ in ("fwd", "fwd+bwd"):
-            out += provider_cases(kernel, pass_, f"{n}x{h}", lambda name: make_torch(name, n, h, pass_),
-                                  lambda name: make_jax(name, n, h, pass_), torch_names=torch_names,
-                                  bytes=tensors_moved[pass_] * n * h * 2)
+    for shapes in lists:
+        for s in shapes:
+            if s not in out:
+                out.append(s)
     return out
 
 
+def row_cases(kernel, shapes, make_torch, make_jax, tensors_moved, torch_names=TORCH_PROVIDERS,
+              axes=("tokens", "hidden")) -> list[Case]:
+    """The cases of a kernel over bf16 (rows, width) tensors: for each shape in ``shapes`` ((rows, width) tuples
+    or dicts keyed by ``axes``), each pass, the provider cases, ``make_torch(name, rows, width, pass_)`` /
+    ``make_jax(...)`` giving each ``make``, with bytes = ``tensors_moved[pass_]`` full tensors of 2-byte
+    elements."""
+    out = []
+    for shape in shapes:
+        n, h = (shape[axes[0]], shape[axes[1]]) if isinstance(shape, dict) else shape
+        for pass_ in passes():
+            out += provider_cases(kernel, pass_, f"{n}x{h}", lambda name: make_torch(name, n, h, pass_),
+                                  lambda name: make_jax(name, n, h, pass_), torch_names=torch_names,
+                                  bytes=tensors_moved[pass_] * n * h * 2, params={axes[0]: n, axes[1]: h})
+    return out
+
+
+_COMPILE_LIMIT_SET = False
+
+
 def eager_or_compiled(name, eager):
-    """The ``torch_eager`` provider (``eager`` itself) or the ``torch_compile`` one (``torch.compile(eager)``)."""
+    """The ``torch_eager`` provider (``eager`` itself) or the ``torch_compile`` one (``torch.compile(eager)``,
+    static shapes; not run in smoke mode, where compiling would dominate)."""
+    global _COMPILE_LIMIT_SET
     if name == "torch_eager":
         return eager
     if name == "torch_compile":
+        if smoke():
+            raise Skipped("torch.compile is not run in smoke mode")
         import torch
 
-        return torch.compile(eager)
+        if not _COMPILE_LIMIT_SET:  # every shape compiles its own graph: keep dynamo from falling back to eager
+            cfg = torch._dynamo.config
+            for attr in ("recompile_limit", "cache_size_limit"):
+                if hasattr(cfg, attr):
+                    setattr(cfg, attr, max(getattr(cfg, attr), 512))
+            for attr in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+                if hasattr(cfg, attr):
+                    setattr(cfg, attr, max(getattr(cfg, attr), 4096))
+            _COMPILE_LIMIT_SET = True
+        return torch.compile(eager, dynamic=False)
     raise KeyError(name)
 
 
@@ -277,6 +557,39 @@ def torch_pass_runner(fn, inputs, grad, pass_):
     return torch_fwd_bwd(fn, inputs, grad)
 
 
+def jax_extra_mb(compiled) -> float | None:
+    """Device memory a compiled XLA program needs beyond its arguments (temporaries + outputs)."""
+    try:
+        analysis = compiled.memory_analysis()
+        return (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / 2**20
+    except Exception:
+        return None
+
+
+def jax_runner(fn, *args):
+    """jit and compile ``fn`` for ``args``, and return a zero-argument runner carrying the program's extra
+    memory. Arguments that fit in L2 are copied a few times and the runner rotates between the copies."""
+    import jax
+    import jax.numpy as jnp
+
+    compiled = jax.jit(fn).lower(*args).compile()
+    sets = [args]
+    leaves = jax.tree.leaves(args)
+    nbytes = sum(int(getattr(x, "nbytes", 0)) for x in leaves)
+    if not smoke() and device() == "cuda" and 0 < nbytes < 2 * l2_bytes():
+        copies = min(16, math.ceil(4 * l2_bytes() / nbytes))
+        sets += [jax.tree.map(jnp.copy, args) for _ in range(copies - 1)]
+    state = {"i": 0}
+
+    def run():
+        i = state["i"]
+        state["i"] = (i + 1) % len(sets)
+        return compiled(*sets[i])
+
+    run.peak_extra_MB = jax_extra_mb(compiled)
+    return run
+
+
 def jax_pass_runner(f, inputs, cotangent, pass_):
     """``fwd``: ``jax_runner(f, *inputs)``; ``fwd+bwd``: the jitted vjp of ``f`` at ``inputs`` applied to
     ``cotangent`` (a tuple of them where ``f`` returns a tuple), inputs and cotangent passed as arguments."""
@@ -285,3 +598,10 @@ def jax_pass_runner(f, inputs, cotangent, pass_):
     if pass_ == "fwd":
         return jax_runner(f, *inputs)
     return jax_runner(lambda args, d: jax.vjp(f, *args)[1](d), tuple(inputs), cotangent)
+
+
+def jax_key(*ints):
+    """A jax PRNG key from the shape (fresh data per shape, reproducible)."""
+    import jax
+
+    return jax.random.key(sum(int(i) * (7919 ** k) for k, i in enumerate(ints)) % (2**31))

@@ -1,0 +1,228 @@
+"""benchmarks/: every module's smoke case end to end (tiny shapes; on the CPU the kernels run in Triton's
+interpreter and the timing path is the host clock), the results file, and the report rendered from it (tables,
+PNG plots, rows for points that failed, ran out of memory, were skipped or are not installed)."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness, report  # noqa: E402
+from benchmarks.__main__ import available_kernels, main  # noqa: E402
+from benchmarks.bench_e2e import longest_fit, restored_module  # noqa: E402
+
+STATUSES = {"ok", "oom", "error", "unavailable", "skipped"}
+NEW_MODULES = {"kl_div", "jsd", "fused_linear_jsd", "medusa", "e2e"}
+
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MPL = True
+except ImportError:
+    HAVE_MPL = False
+
+
+@pytest.fixture(autouse=True)
+def _reset_settings():
+    yield
+    harness.SETTINGS.update(smoke=False, quick=False)
+
+
+def _load(out_dir):
+    (path,) = [os.path.join(out_dir, f) for f in os.listdir(out_dir) if f.endswith(".json")]
+    with open(path) as f:
+        return path, json.load(f)
+
+
+@pytest.mark.parametrize("limit,start,cap,gran,expected", [
+    (100, 16, 1024, 4, (100, 104)),   # 16, 32, 64 fit, 128 does not; bisect down to 4 tokens
+    (5000, 16, 1024, 16, (1024, None)),  # the cap fits
+    (7, 16, 1024, 2, (6, 8)),          # the start does not fit: bisect below it
+    (0, 16, 1024, 16, (0, 16)),        # nothing fits
+    (48, 32, 128, 16, (48, 64)),       # the smoke run's simulated limit
+])
+def test_longest_fit_doubles_then_bisects(limit, start, cap, gran, expected):
+    tried = []
+
+    def fits(n):
+        tried.append(n)
+        return n <= limit
+
+    assert longest_fit(fits, start, cap, gran) == expected
+    assert len(tried) == len(set(tried)), f"a length was tried twice: {tried}"
+
+
+def test_restored_module_undoes_module_and_class_patches():
+    name = "benchmarks.bench_e2e"
+    import benchmarks.bench_e2e as mod
+
+    original = mod.Settings.__dict__.get("__init__")
+    with restored_module(name):
+        mod.NEW_GLOBAL = 1
+        mod.MAX_POSITIONS = -1
+        mod.Settings.extra = 2
+    assert not hasattr(mod, "NEW_GLOBAL") and mod.MAX_POSITIONS == 262144
+    assert not hasattr(mod.Settings, "extra") and mod.Settings.__dict__.get("__init__") is original
+
+
+def test_smoke_run_of_every_module_and_its_report(tmp_path):
+    assert NEW_MODULES <= set(available_kernels())
+    out = tmp_path / "results"
+    assert main(["run", "--smoke", "--no-isolate", "--fresh", "--out-dir", str(out), "--tag", "smoke"]) == 0
+    path, results = _load(out)
+    points = results["points"]
+    assert results["ceilings"]["copy_GBps"] > 0 and results["runs"][0]["smoke"]
+    assert {p["module"] for p in points} == set(available_kernels())
+    assert {p["status"] for p in points} <= STATUSES
+    assert not [p for p in points if p["status"] == "error"], [p.get("error") for p in points
+                                                                if p["status"] == "error"]
+
+    kernels = [p for p in points if p["kind"] == "kernel"]
+    for p in kernels:
+        assert p["params"], p
+        if p["status"] == "ok":
+            assert p["p20_ms"] <= p["median_ms"] <= p["p80_ms"] and p["reps"] >= 1
+            assert p["floor_ms"] > 0 and p["of_floor"] > 0
+    by_provider = {}
+    for p in kernels:
+        by_provider.setdefault(p["provider"], set()).add(p["status"])
+    for ours in ("liger_torch", "liger_jax", "torch_eager", "xla"):
+        assert by_provider[ours] == {"ok"}, (ours, by_provider[ours])
+    assert by_provider["torch_compile"] == {"skipped"}  # not compiled in smoke runs
+    if harness.device() == "cpu":
+        assert by_provider["liger_kernel"] == {"unavailable"}
+    medusa = [p for p in kernels if p["kernel"] == "medusa" and p["status"] == "ok"]
+    assert {p["provider"] for p in medusa} >= {"liger_torch", "torch_eager", "liger_jax", "xla"}
+    assert all(p["params"]["heads"] == 2 and p["TFLOPs"] > 0 for p in medusa)
+
+    steps = {p["provider"]: p for p in points if p["kind"] == "e2e_step"}
+    for provider in ("hf_eager", "hf+liger_torch", "flax_xla", "flax+liger_jax"):
+        assert steps[provider]["status"] == "ok", steps[provider]
+        assert steps[provider]["tokens_per_s"] > 0 and steps[provider]["shape"] == "1x16"
+    assert steps["flax_xla"]["peak_GiB"] is not None  # XLA's compiled memory analysis
+    longest = {p["provider"]: p for p in points if p["kind"] == "e2e_longest"}
+    p = longest["hf_eager"]  # simulated OOM above 48 tokens: 32 fits, 64 does not, then 48 fits
+    assert (p["status"], p["longest_fit"], p["first_oom"]) == ("ok", 48, 64), p
+    assert [(t["seq"], t["status"]) for t in p["trials"]] == [(32, "ok"), (64, "oom"), (48, "ok")]
+    if harness.device() == "cpu":
+        assert steps["hf+liger_kernel"]["status"] == longest["hf+liger_kernel"]["status"] == "unavailable"
+
+    md = open(path[:-5] + ".md").read()
+    assert "## End-to-end training step" in md and "Longest sequence that fits" in md
+    for kernel in {p["kernel"] for p in kernels}:
+        assert f"## {kernel}\n" in md
+    assert "| skipped |" in md and "n/a" in md and "floor ms" in md and "(p20-p80)" in md
+    assert "48 | " in md  # the longest-sequence table
+    if HAVE_MPL:
+        plots = os.listdir(path[:-5] + "-plots")
+        assert {f"{k}.png" for k in {p["kernel"] for p in kernels}} | {"e2e.png"} == set(plots)
+        assert all(os.path.getsize(os.path.join(path[:-5] + "-plots", f)) > 1000 for f in plots)
+        assert "-plots/rms_norm.png)" in md and "-plots/e2e.png)" in md
+
+
+def _synthetic_results():
+    env = {"date": "2026-01-01", "gpu": "NVIDIA H200", "torch": "2.11.0"}
+    ok = dict(kind="kernel", module="m", kernel="flce", pass_="fwd+bwd", dtype="bf16", framework="torch",
+              bytes=0, flops=10**12, status="ok", median_ms=2.0, p20_ms=1.9, p80_ms=2.2, reps=10,
+              peak_extra_MB=100.0, TFLOPs=500.0, floor_ms=1.5, of_floor=0.75)
+    points = []
+    for n in (1024, 2048, 4096):
+        base = dict(ok, shape=f"{n}x4096", params={"tokens": n, "hidden": 4096})
+        base["pass"] = base.pop("pass_")
+        points.append(dict(base, provider="liger_torch"))
+        if n == 4096:
+            points.append(dict(base, provider="torch_eager", status="oom", error="CUDA out of memory"))
+        else:
+            points.append(dict(base, provider="torch_eager", median_ms=4.0, p20_ms=3.9, p80_ms=4.1,
+                               peak_extra_MB=9000.0))
+        points.append(dict(base, provider="liger_kernel", status="unavailable", error="ImportError"))
+        points.append(dict(base, provider="xla", framework="jax", status="error", error="RuntimeError: boom"))
+    # a point from a file written before points had params: sizes parsed from the shape label
+    points.append({"kernel": "rope", "pass": "fwd", "shape": "B4 T4096 H32/8 D128", "provider": "liger_torch",
+                   "status": "ok", "median_ms": 0.5, "p20_ms": 0.4, "p80_ms": 0.6, "peak_extra_MB": 0.0})
+    e2e = dict(kind="e2e_step", module="e2e", model="llama-3.2-1b", framework="torch", dtype="bf16")
+    for seq, batch in ((1024, 16), (4096, 4), (16384, 1)):
+        shape = dict(e2e, batch=batch, seq=seq, shape=f"{batch}x{seq}", params={"seq": seq})
+        points.append(dict(shape, provider="hf_eager", status="oom" if seq == 16384 else "ok",
+                           tokens_per_s=48300.0, peak_GiB=61.2))
+        points.append(dict(shape, provider="hf+liger_torch", status="ok", tokens_per_s=62200.0, peak_GiB=26.8))
+    points.append(dict(e2e, kind="e2e_longest", provider="hf_eager", shape="longest", status="ok",
+                       longest_fit=40960, first_oom=49152, peak_GiB=130.1, trials=[{"seq": 8192}] * 5))
+    points.append(dict(e2e, kind="e2e_longest", provider="hf+liger_torch", shape="longest", status="ok",
+                       longest_fit=131072, first_oom=None, peak_GiB=120.0, trials=[]))
+    return {"schema": harness.SCHEMA, "environment": env, "ceilings": {"copy_GBps": 4272.1,
+                                                                       "bf16_matmul_TFLOPs": 679.8},
+            "machine": {"gpu_memory_GiB": 139.8}, "runs": [], "points": points}
+
+
+def test_render_is_a_function_of_the_json_and_shows_failures(tmp_path):
+    path = tmp_path / "h200-2026-01-01.json"
+    path.write_text(json.dumps(_synthetic_results()))
+    assert main(["render", str(path)]) == 0
+    md = (tmp_path / "h200-2026-01-01.md").read_text()
+    if HAVE_MPL:
+        links = {k: f"h200-2026-01-01-plots/{k}.png" for k in ("flce", "rope", "e2e")}
+        assert md == report.render_markdown(_synthetic_results(), links)
+    assert "| fwd+bwd | 4096x4096 | 1.500 | 2.000 (75%) | OOM | n/a | error |" in md
+    # the summary line: ours vs eager where both ran, and where eager did not
+    assert "fwd+bwd 2048x4096: liger_torch 2.000 ms vs torch_eager 4.000 ms (2.00x)" in md
+    assert "fwd+bwd: torch_eager OOM at 4096x4096 where liger_torch ran" in md
+    assert "## Failures" in md and "RuntimeError: boom" in md and "CUDA out of memory" in md
+    assert "62.2k tok/s, 26.8 GiB" in md and "| OOM |" in md
+    assert "| llama-3.2-1b | hf+liger_torch | >= 131072 |" in md and "| 40960 | 130.1 | 49152 | 5 |" in md
+    assert "copy 4272.1 GB/s" in md
+    if HAVE_MPL:
+        assert sorted(os.listdir(tmp_path / "h200-2026-01-01-plots")) == ["e2e.png", "flce.png", "rope.png"]
+    assert report.params_of({"shape": "16384x4096"}) == {"d0": 16384, "d1": 4096}
+    assert report.params_of({"shape": "B4 T4096 H32/8 D128"}) == {"B": 4, "T": 4096, "H": 32, "D": 128}
+
+
+def test_render_of_an_earlier_results_file(tmp_path):
+    src = os.path.join(REPO, "benchmarks", "results", "h200-2026-12-02-quick.json")
+    if not os.path.exists(src):
+        pytest.skip("no earlier results file")
+    dst = tmp_path / "old.json"
+    shutil.copy(src, dst)
+    md = open(report.render_files(str(dst), plots=False)).read()
+    assert "## rms_norm" in md and "## fused_linear_cross_entropy" in md and "(p20-p80)" in md
+
+
+def test_time_limit_skips_and_a_second_run_merges(tmp_path):
+    args = ["run", "--smoke", "--no-isolate", "--out-dir", str(tmp_path), "--kernels", "kl_div", "--match",
+            "torch_eager"]
+    assert main(args + ["--time-limit", "0"]) == 0
+    _, first = _load(tmp_path)
+    assert [p["status"] for p in first["points"]] == ["skipped"]
+    assert main(args) == 0
+    path, second = _load(tmp_path)
+    assert [p["status"] for p in second["points"]] == ["ok"] and len(second["runs"]) == 2
+    assert "kl_div" in open(path[:-5] + ".md").read()
+
+
+def test_isolated_worker_process(tmp_path):
+    args = ["run", "--smoke", "--isolate", "--fresh", "--out-dir", str(tmp_path), "--kernels", "jsd", "--match",
+            "torch_eager"]
+    assert main(args) == 0
+    _, results = _load(tmp_path)
+    assert [(p["provider"], p["status"], p["module"]) for p in results["points"]] == [("torch_eager", "ok", "jsd")]
+    assert results["ceilings"]["copy_GBps"] > 0
+
+
+def test_an_older_results_file_is_kept(tmp_path):
+    old = tmp_path / "cpu-2026-01-01.json"
+    old.write_text(json.dumps({"environment": {}, "points": []}))  # schema 1: no "schema" key
+    harness_env = harness.environment
+    try:
+        harness.environment = lambda: dict(harness_env(), date="2026-01-01", gpu=None)
+        assert main(["run", "--smoke", "--no-isolate", "--out-dir", str(tmp_path), "--kernels", "jsd",
+                     "--match", "torch_eager"]) == 0
+    finally:
+        harness.environment = harness_env
+    assert json.loads(old.read_text()) == {"environment": {}, "points": []}
+    assert json.loads((tmp_path / "cpu-2026-01-01-2.json").read_text())["points"][0]["status"] == "ok"
