@@ -30,8 +30,8 @@ import triton.language as tl
 
 from .tl_math import cast
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, contiguous_strides,
-    next_power_of_2, warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, cdiv, check_float, check_int, check_nonempty,
+    contiguous_strides, next_power_of_2, warps_for,
 )
 from .rowwise import row_view
 from .reduce import sum_partials_launch
@@ -231,17 +231,21 @@ def _scale_rows_kernel(
 # Validation
 
 
+def check_reduction(reduction, allowed=REDUCTIONS) -> None:
+    if not isinstance(reduction, str) or reduction not in allowed:
+        raise ValueError(f"reduction must be one of {allowed}, got {reduction!r}")
+
+
 def check_options(*, ignore_index, reduction, label_smoothing, lse_square_scale, softcap) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
+    """The scalar options (NaN and inf are out of every range: they would turn the loss NaN silently)."""
+    check_int(ignore_index, "ignore_index")
+    check_reduction(reduction)
+    if not 0.0 <= as_real(label_smoothing, "label_smoothing") <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if float(lse_square_scale) < 0.0:
-        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
-    if softcap is not None and not float(softcap) > 0.0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not 0.0 <= as_real(lse_square_scale, "lse_square_scale") < float("inf"):
+        raise ValueError(f"lse_square_scale must be a finite number >= 0, got {lse_square_scale}")
+    if softcap is not None and not 0.0 < as_real(softcap, "softcap") < float("inf"):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
 
 
 def check_target(target: ArrayInfo, rows_shape, name: str = "target") -> None:
@@ -439,8 +443,7 @@ def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in
 
     Inputs ``grad`` (from :func:`forward_plan`) and ``grad_output``; output ``dlogits``, written over ``grad``
     with ``in_place``."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_reduction(reduction)
     check_float(grad_output, "grad_output")
     n_rows, n_cols, row_stride, col_stride = row_view(grad, "grad")
     if reduction == "none":

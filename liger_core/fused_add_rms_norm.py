@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_same_shape, next_power_of_2, promote,
-    warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_finite, check_float, check_same_shape,
+    next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
 from .rms_norm import CASTING_MODES, _check_inputs, normalize_and_scale, output_dtype
@@ -139,12 +139,15 @@ def _check_pair(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, cas
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *, eps: float,
                  offset: float = 0.0, casting_mode: str = "llama", weight_name: str = "weight",
-                 block_m: int | None = None, num_warps: int | None = None) -> Plan:
+                 block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps") -> Plan:
     """Plan for ``y, h, rstd = fused_add_rms_norm(x, residual, weight)``.
 
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
-    ``weight_name`` is the weight's name in the caller's API, for error messages."""
+    ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
+    messages."""
     _check_pair(x, residual, weight, casting_mode, weight_name)
+    check_eps(eps, eps_name)
+    check_finite(offset, "offset")
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
     _, _, r_row_stride, r_col_stride = row_view(residual, "residual")
     block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
@@ -184,6 +187,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     ``block_m`` and ``num_warps`` override the launch configuration (for tuning).
     """
     _check_inputs(h, weight, casting_mode)
+    check_finite(offset, "offset")
     if tuple(dy.shape) != tuple(h.shape):
         raise ValueError(f"grad_output must have the shape of x {h.shape}, got {dy.shape}")
     check_float(dy, "grad_output")

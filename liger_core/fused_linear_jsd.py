@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from . import fused_linear_cross_entropy as flce
 from . import jsd
-from .launch import ArrayInfo, Plan
+from .launch import ArrayInfo, Plan, as_real
 
 # A chunk holds two fp32 (rows, V) log-probability buffers (student and teacher): each gets half of the
 # fused linear cross-entropy's logits workspace.
@@ -35,10 +35,8 @@ def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None = None) -> int:
 
 def check_options(*, beta, ignore_index, temperature) -> None:
     jsd.check_options(beta=beta, ignore_index=ignore_index)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a positive float, got {temperature!r}")
-    if not float(temperature) > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0.0 < as_real(temperature, "temperature") < float("inf"):  # NaN fails too
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
 
 
 def check_inputs(student_x: ArrayInfo, student_w: ArrayInfo, teacher_x: ArrayInfo, teacher_w: ArrayInfo,

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from . import cross_entropy as ce
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_float, check_nonempty, check_same_shape, collapse_rows,
-    next_power_of_2, promote, warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, check_float, check_int, check_nonempty, check_same_shape,
+    collapse_rows, next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
 from .tl_math import cast
@@ -159,12 +159,9 @@ def _jsd_kernel(
 
 
 def check_options(*, beta, ignore_index) -> None:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise TypeError(f"beta must be a float in [0, 1], got {beta!r}")
-    if not 0.0 <= float(beta) <= 1.0:
+    if not 0.0 <= as_real(beta, "beta") <= 1.0:  # NaN fails too
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_int(ignore_index, "ignore_index")
 
 
 def _rows(info: ArrayInfo, name: str):

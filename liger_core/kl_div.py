@@ -86,7 +86,7 @@ def _rows(info: ArrayInfo, name: str):
 
 def check_inputs(x: ArrayInfo, target: ArrayInfo, reduction: str, x_name: str = "input",
                  target_name: str = "target") -> None:
-    if reduction not in REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_nonempty(x, x_name)
     check_float(x, x_name)

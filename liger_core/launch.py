@@ -15,6 +15,7 @@ where each arg is a buffer (:class:`Buf`) or a Python int/float scalar. Fresh ou
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -196,3 +197,45 @@ def check_nonempty(info: ArrayInfo, name: str) -> None:
 def check_same_shape(a: ArrayInfo, a_name: str, b: ArrayInfo, b_name: str) -> None:
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"{b_name} must have the shape of {a_name} {a.shape}, got {b.shape}")
+
+
+# Scalar options. Errors name the option; a value that cannot become a Python float / int is a TypeError, one out
+# of range (NaN and inf included) a ValueError. Bools and strings are refused although float() would take them.
+
+
+def as_real(value, name: str) -> float:
+    """``float(value)`` for a real number (Python, numpy, or a concrete 0-d array); TypeError naming it else."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # a jax tracer's ConcretizationTypeError is a TypeError too
+        raise TypeError(f"{name} must be a real number, got {value!r}") from None
+
+
+def check_finite(value, name: str) -> float:
+    result = as_real(value, name)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return result
+
+
+def check_eps(value, name: str = "eps") -> float:
+    """A normalisation epsilon: finite and >= 0 (a NaN or negative one turns rows NaN without any error)."""
+    result = as_real(value, name)
+    if not (math.isfinite(result) and result >= 0.0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return result
+
+
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+def check_int(value, name: str) -> int:
+    """An integer scalar option (Python or numpy int, not a bool) that fits a kernel's int64 argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    result = int(value)
+    if not INT64_RANGE[0] <= result <= INT64_RANGE[1]:
+        raise ValueError(f"{name} must fit in int64, got {result}")
+    return result

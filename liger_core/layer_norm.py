@@ -19,8 +19,8 @@ import triton.language as tl
 
 from .tl_math import cast
 from .launch import (
-    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, next_power_of_2,
-    promote, warps_for,
+    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_float, check_nonempty,
+    next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
@@ -150,12 +150,13 @@ def promoted_dtype(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | Non
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *, eps: float,
                  out_dtype: str | None = None, weight_name: str = "weight", bias_name: str = "bias",
-                 block_m: int | None = None, num_warps: int | None = None) -> Plan:
+                 block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps") -> Plan:
     """Plan for ``y, mean, rstd = layer_norm(x, weight, bias)``; inputs ``x`` (``weight``, ``bias`` when given).
 
     ``out_dtype`` is y's dtype (default: x's, as in torch). ``weight_name`` / ``bias_name`` name the parameters
-    as the caller's API does, for error messages."""
+    as the caller's API does, for error messages (``eps_name`` the epsilon)."""
     _check_inputs(x, weight, bias, weight_name, bias_name)
+    check_eps(eps, eps_name)
     y_dtype = x.dtype if out_dtype is None else out_dtype
     if y_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {y_dtype}")

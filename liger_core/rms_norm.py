@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, next_power_of_2, promote,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_finite, check_float, check_nonempty,
+    next_power_of_2, promote,
     warps_for,
 )
 from .reduce import sum_partials_launch
@@ -183,11 +184,14 @@ def output_dtype(x_dtype: str, weight_dtype: str | None, casting_mode: str) -> s
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: float = 0.0,
                  casting_mode: str = "llama", weight_name: str = "weight", block_m: int | None = None,
-                 num_warps: int | None = None) -> Plan:
+                 num_warps: int | None = None, eps_name: str = "eps") -> Plan:
     """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
 
-    ``weight_name`` is the weight's name in the caller's API, for error messages."""
+    ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
+    messages."""
     _check_inputs(x, weight, casting_mode, weight_name)
+    check_eps(eps, eps_name)
+    check_finite(offset, "offset")
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
     block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
     block_m = block_m or block_m_default
@@ -221,6 +225,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     ``programs_per_sm``, ``block_m`` and ``num_warps`` override the tuned launch configuration (for tuning).
     """
     _check_inputs(x, weight, casting_mode)
+    check_finite(offset, "offset")
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"grad_output must have the shape of x {x.shape}, got {dy.shape}")
     check_float(dy, "grad_output")

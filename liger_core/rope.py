@@ -175,6 +175,19 @@ def _check(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_
     return B, T, Hq, Hk, D
 
 
+def n_positions(cos: ArrayInfo) -> int:
+    """The number of rows of the cos/sin tables: ``position_ids`` values must lie in ``[0, n_positions)``."""
+    return cos.shape[-2]
+
+
+def invalid_positions_message(n_rows: int, name: str = "position_ids") -> str:
+    """The frontends' error for a position outside the tables. The kernel reads row ``position_ids[b, t]`` of
+    cos/sin without a bounds check (an out-of-range one reads outside the tables: a crash or garbage), so each
+    frontend checks concrete values eagerly, as the cross-entropy does its targets."""
+    return (f"{name} has values outside [0, {n_rows}) (the rows of cos/sin); every position must index a row "
+            "of the tables")
+
+
 def _table_strides(info: ArrayInfo) -> tuple[int, int, int]:
     """(batch, seq, dim) strides of cos/sin; batch stride 0 when shared by the whole batch."""
     if info.ndim == 2:
