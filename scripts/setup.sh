@@ -12,6 +12,12 @@ if ! $PY -c "import torch, triton, jax, flax, jax_triton, pytest, xdist, transfo
   $PY -m pip install -q --disable-pip-version-check -e ".[dev]" "torch==2.13.0" "numpy<2.4" 2>&1 \
     | grep -v -E "^WARNING: (Running pip|Location)" || true
 fi
+# Optional: DeepSpeed for the ZeRO-3 test in tests/distributed (skipped without it). Its ops are JIT-built on use,
+# so DS_BUILD_OPS=0 makes this a pure-Python install; a failure here is not fatal.
+if ! $PY -c "import deepspeed" >/dev/null 2>&1; then
+  DS_BUILD_OPS=0 $PY -m pip install -q --disable-pip-version-check "deepspeed==0.19.8" 2>&1 \
+    | grep -v -E "^WARNING: (Running pip|Location)" || true
+fi
 # The packages must come from this checkout (an editable install of another clone would shadow it).
 here=$(pwd -P)
 installed=$($PY -c "import os, liger_core; print(os.path.dirname(os.path.dirname(os.path.realpath(liger_core.__file__))))" 2>/dev/null || true)

@@ -19,6 +19,13 @@ MoE models add ``router_aux_loss_coef * aux_loss`` when ``output_router_logits``
 the last k positions, or an index tensor) selects hidden states and the matching shifted labels. The loss is
 returned in fp32 like transformers' (the fused kernel's loss has the hidden states' dtype and is upcast after).
 In eval mode or without labels the original forward runs unchanged.
+
+The fused loss needs the full (V, H) ``lm_head.weight``. Under DDP, FSDP2 with lm_head in the root unit, or
+DeepSpeed ZeRO-3 (which gathers a parameter read inside a forward) it is the full tensor already; with lm_head
+its own ``fully_shard`` unit the loss runs as lm_head's forward, so that FSDP2 gathers the weight for it. A
+weight still sharded (tensor parallelism) or partitioned is an error that names the remedies. Under
+``torch.autocast`` the kernel gets the hidden states and weight in the autocast dtype, as lm_head's ``F.linear``
+would (bf16 logits; the weight's gradient arrives in its own dtype).
 """
 
 from __future__ import annotations
@@ -87,6 +94,98 @@ def _aux_loss(self, family, outputs, attention_mask):
     return balance(router_logits, num_experts, top_k, attention_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _distributed_classes():
+    """(DTensor, FSDPModule), each None where this torch build lacks it."""
+    dtensor = fsdp_module = None
+    if torch.distributed.is_available():
+        try:
+            from torch.distributed.tensor import DTensor as dtensor
+        except ImportError:
+            pass
+        try:
+            from torch.distributed.fsdp import FSDPModule as fsdp_module
+        except ImportError:
+            try:  # torch < 2.6: fully_shard's first home
+                from torch.distributed._composable.fsdp import FSDPModule as fsdp_module
+            except ImportError:
+                pass
+    return dtensor, fsdp_module
+
+
+def _through_module(module, fn, *args):
+    """``fn(*args)`` run in place of ``module``'s forward, inside ``module(...)``: the hooks that data-parallel
+    wrappers put on the module run around it (FSDP2 gathers a ``fully_shard``-ed module's parameters before its
+    forward and reduce-scatters their gradients after its backward). The module's own forward is restored as
+    soon as ``fn`` starts, so nothing else sees the swap."""
+    had_own = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+
+    def restore():
+        if had_own:
+            module.forward = own
+        else:
+            module.__dict__.pop("forward", None)
+
+    def redirected(*inner_args):
+        restore()
+        return fn(*inner_args)
+
+    module.forward = redirected
+    try:
+        return module(*args)
+    finally:
+        restore()
+
+
+def _full_weight(head, weight):
+    dtensor, _ = _distributed_classes()
+    if dtensor is not None and isinstance(weight, dtensor):
+        raise RuntimeError(
+            f"liger_torch: lm_head.weight is a DTensor (placements {tuple(weight.placements)}, local shape "
+            f"{tuple(weight.to_local().shape)}), but the fused linear cross-entropy of the patched forward needs the "
+            "full (vocab, hidden) weight on every rank. Shard lm_head with FSDP2 (fully_shard on the model or on "
+            "lm_head; its weight is gathered for the loss), keep lm_head out of tensor parallelism, or patch with "
+            "fused_linear_cross_entropy=False (the loss then comes from the logits, e.g. cross_entropy=True)")
+    expected = (getattr(head, "out_features", None), getattr(head, "in_features", None))
+    if weight.ndim != 2 or (None not in expected and tuple(weight.shape) != expected):
+        raise RuntimeError(
+            f"liger_torch: lm_head.weight has shape {tuple(weight.shape)}, not the full {expected}: it looks "
+            "sharded or flattened by a wrapper that gathers it only inside lm_head's own forward, which the fused "
+            "linear cross-entropy bypasses. Use FSDP2 (fully_shard) or DeepSpeed ZeRO-3, whose gathering the "
+            "patched forward supports, or patch with fused_linear_cross_entropy=False (the loss then comes from "
+            "the logits, e.g. cross_entropy=True)")
+    return weight
+
+
+def _head_loss(head, hidden, target, options):
+    weight, bias = _full_weight(head, head.weight), head.bias
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        # As lm_head's F.linear under autocast: the logits in the autocast dtype. The kernel's torch matmuls must
+        # not be autocast on their own (their outputs would no longer have x's dtype).
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), target,
+                                              bias=None if bias is None else bias.to(dtype), **options)
+    return fused_linear_cross_entropy(hidden, weight, target, bias=bias, **options)
+
+
+def _lm_head_loss(head, hidden, target, options):
+    """The fused linear cross-entropy of ``hidden`` (N, H) with the lm_head's full weight.
+
+    Under FSDP2 with lm_head in the root unit (or DDP, or DeepSpeed ZeRO-3, whose parameters gather when read in
+    a forward), ``lm_head.weight`` is already the full tensor here. With lm_head its own ``fully_shard`` unit
+    it is a sharded DTensor outside lm_head's forward: the loss then runs as lm_head's forward, so that FSDP2
+    gathers the weight for it and reduce-scatters its gradient. Any other sharded weight is an error naming
+    the remedies."""
+    dtensor, fsdp_module = _distributed_classes()
+    if (dtensor is not None and fsdp_module is not None and isinstance(head, fsdp_module)
+            and isinstance(head.weight, dtensor)):
+        return _through_module(head, lambda h, t: _head_loss(head, h, t, options), hidden, target)
+    return _head_loss(head, hidden, target, options)
+
+
 def _fused_forward(self, family, params, kwargs):
     labels = kwargs.pop("labels")
     shift_labels = kwargs.pop("shift_labels", None)
@@ -110,9 +209,8 @@ def _fused_forward(self, family, params, kwargs):
     if family.logits_scaling:
         hidden = hidden / self.config.logits_scaling
     softcap = getattr(self.config, "final_logit_softcapping", None) if family.softcap else None
-    loss = fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, target, bias=self.lm_head.bias,
-        ignore_index=ignore_index, reduction="sum" if num_items_in_batch is not None else "mean", softcap=softcap)
+    loss = _lm_head_loss(self.lm_head, hidden.reshape(-1, hidden.shape[-1]), target, dict(
+        ignore_index=ignore_index, reduction="sum" if num_items_in_batch is not None else "mean", softcap=softcap))
     loss = _divide(loss.float(), num_items_in_batch)
     aux_loss = _aux_loss(self, family, outputs, kwargs.get("attention_mask")) if router else None
     if aux_loss is not None:

@@ -1,0 +1,123 @@
+"""Patched vs unpatched tiny Llama trained on 2 CPU processes (gloo) under DDP, FSDP2 and DeepSpeed ZeRO-3.
+
+Each test starts two ranks of ``dist_worker.py`` (a process group through a file store in ``tmp_path``, so no
+port is shared with a parallel test; CPU tensors and Triton's interpreter, also on a GPU machine) and compares
+what they saved. A rank that fails ends the run: the
+other is killed after a short grace period (it may wait in a collective for the dead one), and a run that
+outlives its deadline is killed too, so a deadlock fails the test instead of hanging the suite.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import assert_close
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
+WORLD = 2
+DEADLINE_S = 300  # the runs take 10-20 s on 2 idle cores
+GRACE_S = 15
+F32 = torch.float32
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+
+
+def launch(stacks, tmp_path, seed):
+    """Runs the worker's stacks (in turn, in one pair of processes); returns {stack: [rank 0's, rank 1's]}."""
+    # CPU tensors and the interpreter also on a GPU machine: the test is about the stacks, not the device.
+    env = dict(os.environ, WORLD_SIZE=str(WORLD), LIGER_DIST_INIT=f"file://{tmp_path}/store",
+               LIGER_DIST_SEED=str(seed), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="", LIGER_INTERPRET="1", DS_ACCELERATOR="cpu")
+    logs = [open(tmp_path / f"log{r}.txt", "w") for r in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, WORKER, ",".join(stacks), str(tmp_path)], stdout=logs[r],
+                              stderr=subprocess.STDOUT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(WORLD)]
+    deadline, failed_at = time.monotonic() + DEADLINE_S, None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
+    codes = [p.returncode for p in procs]
+    if codes != [0] * WORLD:
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + (tmp_path / f"log{r}.txt").read_text()[-3000:]
+                          for r, c in enumerate(codes))
+        hung = "" if failed_at or time.monotonic() < deadline else f" (killed after {DEADLINE_S} s)"
+        pytest.fail(f"{','.join(stacks)}: ranks exited with {codes}{hung}\n{tails}")
+    return {stack: [torch.load(tmp_path / f"{stack}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
+            for stack in stacks}
+
+
+def _assert_drift(params, ref_params, start, name):
+    # As test_hf_patching.py::test_convergence_adamw: AdamW turns rounding-sized gradient differences into
+    # lr-sized element updates, so each tensor's difference is measured against its training update.
+    assert params.keys() == ref_params.keys()
+    for n in ref_params:
+        drift = (params[n] - ref_params[n]).norm() / (ref_params[n] - start[n]).norm()
+        assert drift <= 2e-3, f"{name}: final {n} differs by {drift.item():.2e} of its training update"
+
+
+def _check_matches_unpatched(stack, results):
+    vocab_hidden = tuple(results[0]["ref"][1]["lm_head.weight"].shape)
+    assert vocab_hidden == (331, 64)
+    for res in results:
+        rank = res["rank"]
+        (ref_losses, ref_params, start), (losses, params, start_liger) = res["ref"], res["liger"]
+        assert all(torch.equal(start[n], start_liger[n]) for n in start)  # same init
+        # the first step runs on the initial parameters: both equal a plain single-process forward
+        assert_close(ref_losses[0], res["single_step0"], F32, f"{stack} rank {rank} unpatched first loss")
+        assert_close(losses[0], res["single_step0"], F32, f"{stack} rank {rank} patched first loss")
+        assert_close(losses, ref_losses, F32, f"{stack} rank {rank} per-step losses", scale=10)
+        _assert_drift(params, ref_params, start, f"{stack} rank {rank}")
+        # a plain (not DTensor, not partitioned) full weight on every step
+        assert res["flce_weights"] == [("Parameter", vocab_hidden, F32)] * len(losses), (stack, res["flce_weights"])
+    assert not torch.equal(results[0]["ref"][0], results[1]["ref"][0]), stack  # the ranks had different data
+    for n, p in results[0]["liger"][1].items():  # one model: every rank ends with the same parameters
+        assert torch.equal(p, results[1]["liger"][1][n]), f"{stack}: {n} differs between the ranks"
+
+
+def test_ddp_and_fsdp2_match_unpatched(tmp_path, seed):
+    """DDP; FSDP2 with lm_head in the root unit; FSDP2 with lm_head its own unit (its weight is a shard outside
+    its forward). 3 AdamW steps, each rank on its own batches: per-step losses and final parameters of the
+    patched run match the unpatched run under the same stack; the fused linear CE got the full (V, H)
+    lm_head weight. (One pair of processes for the three: the start-up is most of the time.)"""
+    for stack, results in launch(["ddp", "fsdp2", "fsdp2_lm_head"], tmp_path, seed).items():
+        _check_matches_unpatched(stack, results)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_deepspeed_zero3_matches_unpatched(tmp_path, seed):
+    """DeepSpeed ZeRO-3 (parameters partitioned over the ranks, a torch AdamW): as above. The patched forward
+    reads lm_head.weight inside the CausalLM's forward, where ZeRO-3 gathers it (and registers it with that
+    module for the backward)."""
+    (results,) = launch(["zero3"], tmp_path, seed).values()
+    _check_matches_unpatched("zero3", results)
+
+
+def test_tensor_parallel_lm_head_is_a_clear_error(tmp_path, seed):
+    """lm_head under tensor parallelism (ColwiseParallel: a vocab-sharded DTensor weight outside any FSDP unit):
+    the unpatched model trains; the patched forward refuses on every rank (so none waits for another) with an
+    error that says what it got and what to do."""
+    (results,) = launch(["tp_lm_head"], tmp_path, seed).values()
+    for res in results:
+        assert_close(res["ref"][0][0], res["single_step0"], F32, "tensor-parallel unpatched loss")
+        message = res.get("liger_error")
+        assert message is not None, "the patched forward accepted a sharded lm_head weight"
+        assert "DTensor" in message and "Shard(dim=0)" in message, message
+        assert "fully_shard" in message and "fused_linear_cross_entropy=False" in message, message
+        assert res["flce_weights"] == []  # refused before the kernel saw a shard
