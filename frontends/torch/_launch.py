@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import sys
 
 import torch
 from triton import knobs
@@ -40,15 +41,29 @@ def rowwise(t: torch.Tensor) -> torch.Tensor:
     return t if collapse_rows(info(t)) is not None else t.contiguous()
 
 
+def _dtensor_type():
+    """``torch.distributed.tensor.DTensor`` once something imported it (importing it here would cost ~1 s), else
+    None: no tensor can be a DTensor before its module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def check_tensors(**tensors: torch.Tensor | None) -> torch.device:
     """Type and device checks for an op's tensor arguments (None allowed); returns the common device."""
     device = None
     first = None
+    dtensor = _dtensor_type()
     for name, t in tensors.items():
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if dtensor is not None and isinstance(t, dtensor):
+            raise ValueError(f"{name} is a DTensor ({t.placements} on a {tuple(t.device_mesh.shape)} mesh), but the "
+                             f"kernels take local tensors: pass {name}.full_tensor() (the whole array) or "
+                             f"{name}.to_local() (this rank's shard, where the op is applied shard by shard); "
+                             "with FSDP2 (fully_shard), call the kernels inside the module's forward, where its "
+                             "parameters are unsharded")
         if liger_core.INTERPRET:
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}, but the kernels run in Triton's interpreter on the "

@@ -2,7 +2,7 @@
 
 The forward computes the loss and, when the logits need a gradient, d loss / d logits in the same kernel;
 the backward only scales it by the incoming gradient (in place, so it may run once: ``retain_graph`` and a
-second backward through the same loss are refused).
+second backward through the same loss are refused; under ``torch.compile`` the scaling is out of place).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 
 from liger_core import cross_entropy as core
 
+from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, info, optional_info, rowwise, run_plan
 
 
@@ -32,16 +33,32 @@ def _check_2d(logits: torch.Tensor, target: torch.Tensor, logits_name: str = "lo
                          "flatten the leading dimensions (and the targets) first")
 
 
+def _forward(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+             return_z_loss, in_place, compute_grad):
+    """``(logits as the kernel read them, outputs)``: the outputs are the loss, then the z-loss with
+    ``return_z_loss``, then d loss / d logits with ``compute_grad`` (written over the logits with ``in_place``)."""
+    logits = rowwise(logits)
+    plan = core.forward_plan(
+        info(logits), info(target), optional_info(weight), ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+        return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=in_place)
+    check_targets(target, logits.shape[-1], ignore_index)
+    return logits, run_plan(plan, logits=logits, target=target, weight=weight)
+
+
+def _backward(grad, grad_loss, reduction, in_place):
+    """d loss / d logits: ``grad`` scaled by the incoming gradient (in place into ``grad`` with ``in_place``)."""
+    plan = core.backward_plan(info(grad), info(grad_loss), reduction=reduction, in_place=in_place)
+    (dlogits,) = run_plan(plan, grad=grad, grad_output=grad_loss)
+    return dlogits
+
+
 class LigerCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
                 softcap, return_z_loss, in_place, compute_grad):
-        logits = rowwise(logits)
-        plan = core.forward_plan(
-            info(logits), info(target), optional_info(weight), ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
-            return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=in_place)
-        outs = run_plan(plan, logits=logits, target=target, weight=weight)
+        logits, outs = _forward(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                                softcap, return_z_loss, in_place, compute_grad)
         loss = outs[0]
         if compute_grad:
             grad = outs[-1]
@@ -64,9 +81,59 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
                                "(the gradient computed in the forward is scaled in place)")
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        plan = core.backward_plan(info(grad), info(grad_loss), reduction=ctx.reduction, in_place=True)
-        (dlogits,) = run_plan(plan, grad=grad, grad_output=grad_loss)
+        dlogits = _backward(grad, grad_loss, ctx.reduction, in_place=True)
         return dlogits, None, None, None, None, None, None, None, None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops, never in place. Outputs: the loss, the
+# z-loss and the gradient (empty when absent).
+
+
+def _forward_op(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                return_z_loss, compute_grad):
+    _, outs = _forward(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                       return_z_loss, in_place=False, compute_grad=compute_grad)
+    loss = outs[0]
+    z_loss = outs[1] if return_z_loss else absent(loss)
+    return loss, z_loss, (outs[-1] if compute_grad else absent(loss))
+
+
+def _forward_fake(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                  return_z_loss, compute_grad):
+    loss = empty_like(logits, shape=target.shape if reduction == "none" else ())
+    return (loss, empty_like(loss) if return_z_loss else absent(loss),
+            empty_like(logits) if compute_grad else absent(loss))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.reduction = inputs[4]
+    ctx.save_for_backward(output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for them
+
+
+def _backward_fn(ctx, grad_loss, *_):
+    (grad,) = ctx.saved_tensors
+    return backward_op(grad, grad_loss, ctx.reduction), None, None, None, None, None, None, None, None, None
+
+
+forward_op = define("cross_entropy_forward",
+                    "(Tensor logits, Tensor target, Tensor? weight, int ignore_index, str reduction, "
+                    "float label_smoothing, float lse_square_scale, float? softcap, bool return_z_loss, "
+                    "bool compute_grad) -> (Tensor, Tensor, Tensor)", _forward_op, _forward_fake,
+                    setup_context=_setup_context, backward=_backward_fn)
+
+
+def _backward_op(grad, grad_loss, reduction):
+    return _backward(grad, grad_loss, reduction, in_place=False)
+
+
+def _backward_fake(grad, grad_loss, reduction):
+    return empty_like(grad)
+
+
+backward_op = define("cross_entropy_backward", "(Tensor grad, Tensor grad_loss, str reduction) -> Tensor",
+                     _backward_op, _backward_fake)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
@@ -80,7 +147,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
       ``loss``, reduced alike.
     - ``softcap``: the logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
     - ``in_place``: write the gradient over ``logits`` during the forward (saves a (N, V) buffer; ``logits``
-      then no longer hold the logits, so only when nothing else reads them later).
+      then no longer hold the logits, so only when nothing else reads them later). No effect under
+      ``torch.compile``, where nothing is written in place.
 
     The loss has the logits' dtype (all arithmetic is fp32). Unlike torch, ``mean`` over a batch whose targets
     are all ``ignore_index`` gives 0 (and a zero gradient), not NaN. Targets are checked eagerly: a value
@@ -92,11 +160,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                        lse_square_scale=lse_square_scale, softcap=softcap)
     _check_2d(logits, target)
     core.check_inputs(info(logits), info(target), optional_info(weight))
-    check_targets(target, logits.shape[-1], ignore_index)
-    return LigerCrossEntropyFunction.apply(
-        logits, target, weight, int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
-        None if softcap is None else float(softcap), bool(return_z_loss), bool(in_place),
-        torch.is_grad_enabled() and logits.requires_grad)
+    args = (logits, target, weight, int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
+            None if softcap is None else float(softcap), bool(return_z_loss))
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    if compiling():
+        loss, z_loss, _ = forward_op(*args, compute_grad)
+        return (loss, z_loss) if return_z_loss else loss
+    return LigerCrossEntropyFunction.apply(*args, bool(in_place), compute_grad)
 
 
 class CrossEntropyLoss(nn.Module):

@@ -5,18 +5,39 @@ from __future__ import annotations
 import torch
 
 from liger_core import fused_add_rms_norm as core
+from liger_core.launch import promote
 
+from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan
 from .rms_norm import RMSNorm
+
+
+def _forward(x, residual, weight, eps, offset, casting_mode):
+    """``(y, h, rstd)``."""
+    x, residual = rowwise(x), rowwise(residual)
+    plan = core.forward_plan(info(x), info(residual), optional_info(weight), eps=eps, offset=offset,
+                             casting_mode=casting_mode)
+    return run_plan(plan, x=x, residual=residual, weight=weight)
+
+
+def _backward(grad_y, grad_h, h, weight, rstd, x_dtype, residual_dtype, offset, casting_mode, in_place):
+    """``(dx, dresidual, dw)`` (dw None without a weight); grad_y and grad_h may be None (unused outputs)."""
+    dy = rowwise(grad_y) if grad_y is not None else torch.zeros_like(h)
+    dh = rowwise(grad_h) if grad_h is not None else None
+    # Never write both gradients over one buffer (autograd may hand the same tensor for y and h).
+    in_place = in_place and not (dh is not None and dh.data_ptr() == dy.data_ptr())
+    plan = core.backward_plan(info(dy), optional_info(dh), info(h), optional_info(weight), x_dtype=x_dtype,
+                              residual_dtype=residual_dtype, offset=offset, casting_mode=casting_mode,
+                              num_sms=num_sms(h.device), in_place=in_place,
+                              separate_residual_grad=True)  # distinct tensors: later ops may write over one
+    grads = run_plan(plan, dy=dy, dh=dh, h=h, weight=weight, rstd=rstd)
+    return grads[0], grads[1], (grads[2] if weight is not None else None)
 
 
 class LigerFusedAddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting_mode, in_place):
-        x, residual = rowwise(x), rowwise(residual)
-        plan = core.forward_plan(info(x), info(residual), optional_info(weight), eps=eps, offset=offset,
-                                 casting_mode=casting_mode)
-        y, h, rstd = run_plan(plan, x=x, residual=residual, weight=weight)
+        y, h, rstd = _forward(x, residual, weight, eps, offset, casting_mode)
         ctx.save_for_backward(h, weight, rstd)
         ctx.set_materialize_grads(False)  # an unused y or h costs no zero-filled gradient
         ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
@@ -28,17 +49,60 @@ class LigerFusedAddRMSNormFunction(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         if grad_y is None and grad_h is None:
             return None, None, None, None, None, None, None
-        dy = rowwise(grad_y) if grad_y is not None else torch.zeros_like(h)
-        dh = rowwise(grad_h) if grad_h is not None else None
-        # Never write both gradients over one buffer (autograd may hand the same tensor for y and h).
-        in_place = ctx.in_place and not (dh is not None and dh.data_ptr() == dy.data_ptr())
-        plan = core.backward_plan(info(dy), optional_info(dh), info(h), optional_info(weight), x_dtype=ctx.x_dtype,
-                                  residual_dtype=ctx.residual_dtype, offset=ctx.offset,
-                                  casting_mode=ctx.casting_mode, num_sms=num_sms(h.device), in_place=in_place,
-                                  separate_residual_grad=True)  # distinct tensors: later ops may write over one
-        grads = run_plan(plan, dy=dy, dh=dh, h=h, weight=weight, rstd=rstd)
-        dw = grads[2] if weight is not None else None
-        return grads[0], grads[1], dw, None, None, None, None
+        dx, dresidual, dw = _backward(grad_y, grad_h, h, weight, rstd, ctx.x_dtype, ctx.residual_dtype, ctx.offset,
+                                      ctx.casting_mode, ctx.in_place)
+        return dx, dresidual, dw, None, None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops, never in place.
+
+
+def _forward_fake(x, residual, weight, eps, offset, casting_mode):
+    h_dtype = promote(dtype_name(x.dtype), dtype_name(residual.dtype))
+    y_dtype = core.output_dtype(h_dtype, None if weight is None else dtype_name(weight.dtype), casting_mode)
+    return empty_like(x, y_dtype), empty_like(x, h_dtype), empty_like(x, torch.float32, x.shape[:-1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, _, ctx.offset, ctx.casting_mode = inputs
+    ctx.save_for_backward(weight, output[1], output[2])
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)  # as in the eager Function
+
+
+def _backward_fn(ctx, grad_y, grad_h, _):
+    weight, h, rstd = ctx.saved_tensors
+    if grad_y is None and grad_h is None:
+        return None, None, None, None, None, None
+    if grad_y is None:  # the op needs a y gradient; an h gradient is optional
+        grad_y = torch.zeros_like(h)
+    dx, dresidual, dw = backward_op(grad_y, grad_h, h, weight, rstd, ctx.x_dtype, ctx.residual_dtype, ctx.offset,
+                                    ctx.casting_mode)
+    return dx, dresidual, (dw if weight is not None else None), None, None, None
+
+
+forward_op = define("fused_add_rms_norm_forward",
+                    "(Tensor x, Tensor residual, Tensor? weight, float eps, float offset, str casting_mode) "
+                    "-> (Tensor, Tensor, Tensor)", _forward, _forward_fake, setup_context=_setup_context,
+                    backward=_backward_fn)
+
+
+def _backward_op(grad_y, grad_h, h, weight, rstd, x_dtype, residual_dtype, offset, casting_mode):
+    dx, dresidual, dw = _backward(grad_y, grad_h, h, weight, rstd, dtype_name(x_dtype), dtype_name(residual_dtype),
+                                  offset, casting_mode, in_place=False)
+    return dx, dresidual, (dw if dw is not None else absent(dx))
+
+
+def _backward_fake(grad_y, grad_h, h, weight, rstd, x_dtype, residual_dtype, offset, casting_mode):
+    return empty_like(h, x_dtype), empty_like(h, residual_dtype), (
+        empty_like(weight) if weight is not None else absent(h))
+
+
+backward_op = define("fused_add_rms_norm_backward",
+                     "(Tensor grad_y, Tensor? grad_h, Tensor h, Tensor? weight, Tensor rstd, ScalarType x_dtype, "
+                     "ScalarType residual_dtype, float offset, str casting_mode) -> (Tensor, Tensor, Tensor)",
+                     _backward_op, _backward_fake)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
@@ -48,9 +112,13 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
     Casting modes and ``offset`` as in :func:`liger_torch.rms_norm`, with h in the role of x. With
     ``in_place`` the backward writes dx over the gradient of y and dresidual over the gradient of h when that
-    is safe (same dtype, dense); leave it off when either gradient is shared with another branch.
+    is safe (same dtype, dense); leave it off when either gradient is shared with another branch. No effect
+    under ``torch.compile``, where nothing is written in place.
     """
     check_tensors(x=x, residual=residual, weight=weight)
+    if compiling():
+        y, h, _ = forward_op(x, residual, weight, float(eps), float(offset), casting_mode)
+        return y, h
     return LigerFusedAddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting_mode,
                                               bool(in_place))
 

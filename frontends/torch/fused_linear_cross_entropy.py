@@ -14,6 +14,7 @@ from torch import nn
 from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
 
+from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
 from .cross_entropy import check_targets
 
@@ -85,25 +86,52 @@ def _reduce(rows, reduction, dtype, shape):
     return total
 
 
+def _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need):
+    """``(loss, z_loss, grads, x2, t)``: z_loss None without ``return_z_loss``; for mean/sum, grads = (grad_x
+    (x's shape), grad_w, grad_b) for an incoming gradient of 1, None where ``need`` says no (all None for none,
+    whose backward runs the loop again); x2 (N, H) and t (N,) are the flattened inputs."""
+    shape = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    t = target.reshape(-1).contiguous()
+    check_targets(t, weight.shape[0], opts["ignore_index"], "target")
+    precompute = opts["reduction"] != "none"
+    rows, z, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32,
+                                                  need if precompute else (False,) * 3)
+    loss = _reduce(rows, opts["reduction"], x.dtype, shape)
+    z_loss = _reduce(z, opts["reduction"], x.dtype, shape) if opts["return_z_loss"] else None
+    grad_x = grad_x.view(x.shape) if grad_x is not None else None
+    return loss, z_loss, (grad_x, grad_w, grad_b), x2, t
+
+
+def scaled_grads(grads, need, grad_loss, in_place):
+    """mean/sum backward: the forward's gradients times the incoming scalar (None where ``need`` says no)."""
+    g = grad_loss.to(torch.float32)
+    return tuple((grad.mul_(g.to(grad.dtype)) if in_place else grad * g.to(grad.dtype)) if flag else None
+                 for flag, grad in zip(need, grads))
+
+
+def _backward_none(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32, need, grad_loss, x_shape):
+    """reduction='none' backward: the chunk loop again, with the per-row incoming gradient in the kernel."""
+    # contiguous: the chunk plan reads one value per row at stride 1, and the gradient of ``loss.sum()`` is an
+    # expanded scalar (stride 0)
+    g_rows = grad_loss.reshape(-1).contiguous()
+    _, _, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32, need,
+                                               grad_scale=g_rows)
+    return (grad_x.view(x_shape) if grad_x is not None else None), grad_w, grad_b
+
+
 class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need):
-        shape = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        t = target.reshape(-1).contiguous()
-        precompute = opts["reduction"] != "none"
-        rows, z, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, opts, chunk_size,
-                                                      accum_fp32, need if precompute else (False,) * 3)
-        loss = _reduce(rows, opts["reduction"], x.dtype, shape)
+        loss, z_loss, grads, x2, t = _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need)
         ctx.opts, ctx.chunk_size, ctx.accum_fp32, ctx.need = opts, chunk_size, accum_fp32, need
         ctx.x_shape = x.shape
         ctx.backward_done = False
-        if precompute:
-            ctx.grads = (grad_x, grad_w, grad_b)
+        if opts["reduction"] != "none":
+            ctx.grads = grads
         elif any(need):
             ctx.save_for_backward(x2, weight, t, bias, ce_weight)
         if opts["return_z_loss"]:
-            z_loss = _reduce(z, opts["reduction"], x.dtype, shape)
             ctx.mark_non_differentiable(z_loss)
             return loss, z_loss
         return loss
@@ -114,27 +142,99 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
             raise RuntimeError("liger_torch.fused_linear_cross_entropy: backward through the same loss twice is "
                                "not supported (the gradients computed in the forward are released)")
         ctx.backward_done = True
-        need = ctx.need
         if ctx.opts["reduction"] != "none":
-            grad_x, grad_w, grad_b = ctx.grads
+            grads = scaled_grads(ctx.grads, ctx.need, grad_loss, in_place=True)
             del ctx.grads
-            g = grad_loss.to(torch.float32)
         else:
-            x2, weight, t, bias, ce_weight = ctx.saved_tensors
-            g_rows = grad_loss.reshape(-1)
-            _, _, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, ctx.opts, ctx.chunk_size,
-                                                       ctx.accum_fp32, need, grad_scale=g_rows)
-            g = None
-        out = []  # fp32 accumulators are cast to the parameters' dtypes by autograd
-        for flag, grad in zip(need, (grad_x, grad_w, grad_b)):
-            if not flag:
-                out.append(None)
-                continue
-            out.append(grad if g is None else grad.mul_(g.to(grad.dtype)))
-        dx, dw, db = out
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
+            grads = _backward_none(*ctx.saved_tensors, ctx.opts, ctx.chunk_size, ctx.accum_fp32, ctx.need, grad_loss,
+                                   ctx.x_shape)
+        dx, dw, db = grads  # fp32 accumulators are cast to the parameters' dtypes by autograd
         return dx, dw, None, db, None, None, None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops. The options travel as the op's scalar
+# arguments (schema below); absent outputs (z-loss, gradients not needed) are empty tensors.
+
+_OPTION_NAMES = ("ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap", "return_z_loss")
+_OPTIONS_SCHEMA = ("int ignore_index, str reduction, float label_smoothing, float lse_square_scale, float? softcap, "
+                   "bool return_z_loss, int? chunk_size, bool accum_fp32, bool need_x, bool need_weight, "
+                   "bool need_bias")
+
+
+def _pack(opts, chunk_size, accum_fp32, need):
+    return (*(opts[name] for name in _OPTION_NAMES), chunk_size, accum_fp32, *need)
+
+
+def _unpack(options):
+    """``(opts, chunk_size, accum_fp32, need)`` from the op's scalar arguments."""
+    n = len(_OPTION_NAMES)
+    return dict(zip(_OPTION_NAMES, options[:n])), options[n], options[n + 1], tuple(options[n + 2:])
+
+
+def _forward_op(x, weight, target, bias, ce_weight, *options):
+    loss, z_loss, grads, _, _ = _forward(x, weight, target, bias, ce_weight, *_unpack(options))
+    return (loss, z_loss if z_loss is not None else absent(loss),
+            *(grad if grad is not None else absent(loss) for grad in grads))
+
+
+def _forward_fake(x, weight, target, bias, ce_weight, *options):
+    opts, _, accum_fp32, need = _unpack(options)
+    loss = empty_like(x, shape=x.shape[:-1] if opts["reduction"] == "none" else ())
+    z_loss = empty_like(loss) if opts["return_z_loss"] else absent(loss)
+    if opts["reduction"] == "none":  # gradients come from the backward
+        need = (False,) * 3
+    grad_x = empty_like(x) if need[0] else absent(loss)
+    grad_w = empty_like(weight, torch.float32 if accum_fp32 else None) if need[1] else absent(loss)
+    grad_b = empty_like(weight, torch.float32, weight.shape[:1]) if need[2] else absent(loss)
+    return loss, z_loss, grad_x, grad_w, grad_b
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, target, bias, ce_weight, *options = inputs
+    ctx.options = options
+    ctx.opts, _, _, ctx.need = _unpack(options)
+    ctx.dtypes = tuple(None if t is None else t.dtype for t in (x, weight, bias))
+    if ctx.opts["reduction"] != "none":
+        ctx.save_for_backward(*output[2:])
+    else:
+        ctx.save_for_backward(x, weight, target, bias, ce_weight)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for them
+
+
+def _backward_fn(ctx, grad_loss, *_):
+    if ctx.opts["reduction"] != "none":
+        grads = scaled_grads(ctx.saved_tensors, ctx.need, grad_loss, in_place=False)
+    else:
+        grads = backward_op(*ctx.saved_tensors, grad_loss, *ctx.options)
+    # the op's fp32 accumulators, cast to the parameters' dtypes (as autograd does for the eager Function)
+    dx, dw, db = (grad.to(dtype) if flag else None for flag, grad, dtype in zip(ctx.need, grads, ctx.dtypes))
+    return (dx, dw, None, db) + (None,) * (1 + len(ctx.options))
+
+
+forward_op = define("fused_linear_cross_entropy_forward",
+                    "(Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor? ce_weight, "
+                    f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)", _forward_op, _forward_fake,
+                    setup_context=_setup_context, backward=_backward_fn)
+
+
+def _backward_op(x, weight, target, bias, ce_weight, grad_loss, *options):
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    grads = _backward_none(x2, weight, target.reshape(-1).contiguous(), bias, ce_weight, *_unpack(options),
+                           grad_loss, x.shape)
+    return tuple(grad if grad is not None else absent(x) for grad in grads)
+
+
+def _backward_fake(x, weight, target, bias, ce_weight, grad_loss, *options):
+    _, _, accum_fp32, need = _unpack(options)
+    return (empty_like(x) if need[0] else absent(x),
+            empty_like(weight, torch.float32 if accum_fp32 else None) if need[1] else absent(x),
+            empty_like(weight, torch.float32, weight.shape[:1]) if need[2] else absent(x))
+
+
+backward_op = define("fused_linear_cross_entropy_backward",
+                     "(Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor? ce_weight, Tensor grad_loss, "
+                     f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)", _backward_op, _backward_fake)
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -158,13 +258,15 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
                           lse_square_scale=lse_square_scale, softcap=softcap)
     vocab = core.check_inputs(info(x), info(weight), info(target), optional_info(bias), optional_info(ce_weight))
     core.chunk_rows(1, vocab, dtype_name(x.dtype), chunk_size)  # validates chunk_size
-    check_targets(target, vocab, ignore_index)
     grad_on = torch.is_grad_enabled()
     need = tuple(bool(grad_on and t is not None and t.requires_grad) for t in (x, weight, bias))
     accum_fp32 = core.accumulate_in_fp32(dtype_name(weight.dtype), accum_dtype_fp32)
     opts = dict(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
                 lse_square_scale=float(lse_square_scale), softcap=None if softcap is None else float(softcap),
                 return_z_loss=bool(return_z_loss))
+    if compiling():
+        loss, z_loss, *_ = forward_op(x, weight, target, bias, ce_weight, *_pack(opts, chunk_size, accum_fp32, need))
+        return (loss, z_loss) if return_z_loss else loss
     return LigerFusedLinearCrossEntropyFunction.apply(x, weight, target, bias, ce_weight, opts, chunk_size,
                                                       accum_fp32, need)
 

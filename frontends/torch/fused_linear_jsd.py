@@ -11,8 +11,9 @@ from torch import nn
 
 from liger_core import fused_linear_jsd as core
 
+from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
-from .fused_linear_cross_entropy import accumulate_linear_grads
+from .fused_linear_cross_entropy import scaled_grads, accumulate_linear_grads
 
 
 def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
@@ -55,16 +56,22 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     return torch.cat(losses), grad_x, grad_w
 
 
+def _forward(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
+    """``(loss, grads)``: grads = (grad of student_input (its shape), grad of student_weight) for an incoming
+    gradient of 1, None where ``need`` says no."""
+    xs2 = xs.reshape(-1, xs.shape[-1]).contiguous()
+    xt2 = xt.reshape(-1, xt.shape[-1]).contiguous()
+    l2 = None if labels is None else labels.reshape(-1).contiguous()
+    rows, grad_x, grad_w = _chunk_loop(xs2, ws, xt2, wt, l2, opts, chunk_size, accum_fp32, need)
+    (loss,) = run_plan(core.loss_plan(rows.numel(), dtype_name(xs.dtype)), rows=rows)
+    return loss, ((grad_x.view(xs.shape) if grad_x is not None else None), grad_w)
+
+
 class LigerFusedLinearJSDFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
-        xs2 = xs.reshape(-1, xs.shape[-1]).contiguous()
-        xt2 = xt.reshape(-1, xt.shape[-1]).contiguous()
-        l2 = None if labels is None else labels.reshape(-1).contiguous()
-        rows, grad_x, grad_w = _chunk_loop(xs2, ws, xt2, wt, l2, opts, chunk_size, accum_fp32, need)
-        (loss,) = run_plan(core.loss_plan(rows.numel(), dtype_name(xs.dtype)), rows=rows)
-        ctx.grads = (grad_x, grad_w)
-        ctx.need, ctx.x_shape = need, xs.shape
+        loss, ctx.grads = _forward(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need)
+        ctx.need = need
         ctx.backward_done = False
         return loss
 
@@ -74,16 +81,49 @@ class LigerFusedLinearJSDFunction(torch.autograd.Function):
             raise RuntimeError("liger_torch.fused_linear_jsd: backward through the same loss twice is not "
                                "supported (the gradients computed in the forward are released)")
         ctx.backward_done = True
-        grads = ctx.grads
+        # fp32 accumulators are cast to the parameters' dtypes by autograd
+        dx, dw = scaled_grads(ctx.grads, ctx.need, grad_loss, in_place=True)
         del ctx.grads
-        g = grad_loss.to(torch.float32)
-        out = []  # fp32 accumulators are cast to the parameters' dtypes by autograd
-        for flag, grad in zip(ctx.need, grads):
-            out.append(grad.mul_(g.to(grad.dtype)) if flag else None)
-        dx, dw = out
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
         return dx, dw, None, None, None, None, None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops; gradients not needed are empty tensors.
+
+_OPTIONS_SCHEMA = ("float beta, int ignore_index, float temperature, int? chunk_size, bool accum_fp32, "
+                   "bool need_input, bool need_weight")
+
+
+def _forward_op(xs, ws, xt, wt, labels, beta, ignore_index, temperature, chunk_size, accum_fp32, *need):
+    opts = dict(beta=beta, ignore_index=ignore_index, temperature=temperature)
+    loss, grads = _forward(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need)
+    return (loss, *(grad if grad is not None else absent(loss) for grad in grads))
+
+
+def _forward_fake(xs, ws, xt, wt, labels, beta, ignore_index, temperature, chunk_size, accum_fp32, *need):
+    loss = empty_like(xs, shape=())
+    return (loss, empty_like(xs) if need[0] else absent(loss),
+            empty_like(ws, torch.float32 if accum_fp32 else None) if need[1] else absent(loss))
+
+
+def _setup_context(ctx, inputs, output):
+    xs, ws, *_, need_input, need_weight = inputs
+    ctx.need, ctx.dtypes = (need_input, need_weight), (xs.dtype, ws.dtype)
+    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for them
+
+
+def _backward_fn(ctx, grad_loss, *_):
+    grads = scaled_grads(ctx.saved_tensors, ctx.need, grad_loss, in_place=False)
+    # the op's fp32 accumulators, cast to the parameters' dtypes (as autograd does for the eager Function)
+    dx, dw = (grad.to(dtype) if flag else None for flag, grad, dtype in zip(ctx.need, grads, ctx.dtypes))
+    return (dx, dw) + (None,) * 10
+
+
+forward_op = define("fused_linear_jsd_forward",
+                    "(Tensor student_input, Tensor student_weight, Tensor teacher_input, Tensor teacher_weight, "
+                    f"Tensor? labels, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)", _forward_op, _forward_fake,
+                    setup_context=_setup_context, backward=_backward_fn)
 
 
 def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
@@ -118,6 +158,9 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     need = tuple(bool(grad_on and t.requires_grad) for t in (student_input, student_weight))
     accum_fp32 = core.accumulate_in_fp32(dtype_name(student_weight.dtype), accum_dtype_fp32)
     opts = dict(beta=float(beta), ignore_index=int(ignore_index), temperature=float(temperature))
+    if compiling():
+        return forward_op(student_input, student_weight, teacher_input, teacher_weight, labels, opts["beta"],
+                          opts["ignore_index"], opts["temperature"], chunk_size, accum_fp32, *need)[0]
     return LigerFusedLinearJSDFunction.apply(student_input, student_weight, teacher_input, teacher_weight, labels,
                                              opts, chunk_size, accum_fp32, need)
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from liger_core import jsd as core
 
+from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, info, optional_info, rowwise, run_plan
 
 
@@ -16,13 +17,25 @@ def _labels(labels):
     return labels if labels.ndim <= 1 else labels.contiguous()
 
 
+def _forward(student, teacher, labels, beta, ignore_index, compute_grad):
+    """The loss, then d loss / d student with ``compute_grad``."""
+    student, teacher, labels = rowwise(student), rowwise(teacher), _labels(labels)
+    plan = core.forward_plan(info(student), info(teacher), optional_info(labels), beta=beta,
+                             ignore_index=ignore_index, compute_grad=compute_grad)
+    return run_plan(plan, student=student, teacher=teacher, labels=labels)
+
+
+def _backward(grad, grad_output, in_place):
+    """``grad`` scaled by the incoming gradient (in place into ``grad`` with ``in_place``)."""
+    plan = core.backward_plan(info(grad), info(grad_output), in_place=in_place)
+    (dstudent,) = run_plan(plan, grad=grad, grad_output=grad_output)
+    return dstudent
+
+
 class LigerJSDFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, labels, beta, ignore_index, compute_grad):
-        student, teacher, labels = rowwise(student), rowwise(teacher), _labels(labels)
-        plan = core.forward_plan(info(student), info(teacher), optional_info(labels), beta=beta,
-                                 ignore_index=ignore_index, compute_grad=compute_grad)
-        outs = run_plan(plan, student=student, teacher=teacher, labels=labels)
+        outs = _forward(student, teacher, labels, beta, ignore_index, compute_grad)
         if compute_grad:
             ctx.save_for_backward(outs[1])
         ctx.backward_done = False
@@ -35,9 +48,49 @@ class LigerJSDFunction(torch.autograd.Function):
                                "gradient computed in the forward is scaled in place)")
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        (dstudent,) = run_plan(core.backward_plan(info(grad), info(grad_output)), grad=grad,
-                               grad_output=grad_output)
-        return dstudent, None, None, None, None, None
+        return _backward(grad, grad_output, in_place=True), None, None, None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops, never in place. Outputs: the loss and
+# the gradient (empty when absent).
+
+
+def _forward_op(student, teacher, labels, beta, ignore_index, compute_grad):
+    outs = _forward(student, teacher, labels, beta, ignore_index, compute_grad)
+    return outs[0], (outs[1] if compute_grad else absent(outs[0]))
+
+
+def _forward_fake(student, teacher, labels, beta, ignore_index, compute_grad):
+    loss = empty_like(student, core.output_dtype(info(student), info(teacher)), ())
+    return loss, (empty_like(student) if compute_grad else absent(loss))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for it
+
+
+def _backward_fn(ctx, grad_output, _):
+    (grad,) = ctx.saved_tensors
+    return backward_op(grad, grad_output), None, None, None, None, None
+
+
+forward_op = define("jsd_forward",
+                    "(Tensor student, Tensor teacher, Tensor? labels, float beta, int ignore_index, "
+                    "bool compute_grad) -> (Tensor, Tensor)", _forward_op, _forward_fake,
+                    setup_context=_setup_context, backward=_backward_fn)
+
+
+def _backward_op(grad, grad_output):
+    return _backward(grad, grad_output, in_place=False)
+
+
+def _backward_fake(grad, grad_output):
+    return empty_like(grad)
+
+
+backward_op = define("jsd_backward", "(Tensor grad, Tensor grad_output) -> Tensor", _backward_op, _backward_fake)
 
 
 def jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, labels: torch.Tensor | None = None,
@@ -61,6 +114,8 @@ def jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, labels: 
         raise ValueError("teacher_logprobs requires grad, but liger_torch.jsd differentiates the student only; "
                          "pass teacher_logprobs.detach()")
     compute_grad = torch.is_grad_enabled() and student_logprobs.requires_grad
+    if compiling():
+        return forward_op(student_logprobs, teacher_logprobs, labels, float(beta), int(ignore_index), compute_grad)[0]
     return LigerJSDFunction.apply(student_logprobs, teacher_logprobs, labels, float(beta), int(ignore_index),
                                   compute_grad)
 

@@ -6,16 +6,32 @@ import torch
 from torch import nn
 
 from liger_core import kl_div as core
+from liger_core.launch import ArrayInfo
 
-from ._launch import check_tensors, info, rowwise, run_plan
+from ._custom_ops import compiling, define, empty_like
+from ._launch import check_tensors, dtype_name, info, rowwise, run_plan
+
+
+def _forward(x, target, reduction, log_target):
+    """``(x, target as the kernel read them, loss)``."""
+    x, target = rowwise(x), rowwise(target)
+    (loss,) = run_plan(core.forward_plan(info(x), info(target), reduction=reduction, log_target=log_target),
+                       input=x, target=target)
+    return x, target, loss
+
+
+def _backward(grad_output, x_info, target, reduction, log_target):
+    """d loss / d input; ``x_info`` describes the input (only its shape and dtype matter)."""
+    g = rowwise(grad_output) if reduction == "none" else grad_output
+    plan = core.backward_plan(info(g), x_info, info(target), reduction=reduction, log_target=log_target)
+    (dx,) = run_plan(plan, grad_output=g, target=target)
+    return dx
 
 
 class LigerKLDivFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, reduction, log_target):
-        x, target = rowwise(x), rowwise(target)
-        (loss,) = run_plan(core.forward_plan(info(x), info(target), reduction=reduction, log_target=log_target),
-                           input=x, target=target)
+        x, target, loss = _forward(x, target, reduction, log_target)
         ctx.save_for_backward(target)
         ctx.x_info, ctx.reduction, ctx.log_target = info(x), reduction, log_target
         return loss
@@ -23,11 +39,47 @@ class LigerKLDivFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (target,) = ctx.saved_tensors
-        g = rowwise(grad_output) if ctx.reduction == "none" else grad_output
-        plan = core.backward_plan(info(g), ctx.x_info, info(target), reduction=ctx.reduction,
-                                  log_target=ctx.log_target)
-        (dx,) = run_plan(plan, grad_output=g, target=target)
-        return dx, None, None, None
+        return _backward(grad_output, ctx.x_info, target, ctx.reduction, ctx.log_target), None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops.
+
+
+def _forward_op(x, target, reduction, log_target):
+    return _forward(x, target, reduction, log_target)[2]
+
+
+def _forward_fake(x, target, reduction, log_target):
+    return empty_like(x, core.output_dtype(info(x), info(target)), None if reduction == "none" else ())
+
+
+def _setup_context(ctx, inputs, output):
+    x, target, ctx.reduction, ctx.log_target = inputs
+    ctx.save_for_backward(target)
+    ctx.x_dtype = x.dtype
+
+
+def _backward_fn(ctx, grad_output):
+    (target,) = ctx.saved_tensors
+    return backward_op(grad_output, target, ctx.x_dtype, ctx.reduction, ctx.log_target), None, None, None
+
+
+forward_op = define("kl_div_forward", "(Tensor input, Tensor target, str reduction, bool log_target) -> Tensor",
+                    _forward_op, _forward_fake, setup_context=_setup_context, backward=_backward_fn)
+
+
+def _backward_op(grad_output, target, x_dtype, reduction, log_target):
+    x_info = ArrayInfo.contiguous(target.shape, dtype_name(x_dtype))  # input and target have one shape
+    return _backward(grad_output, x_info, rowwise(target), reduction, log_target)
+
+
+def _backward_fake(grad_output, target, x_dtype, reduction, log_target):
+    return empty_like(target, x_dtype)
+
+
+backward_op = define("kl_div_backward",
+                     "(Tensor grad_output, Tensor target, ScalarType x_dtype, str reduction, bool log_target) "
+                     "-> Tensor", _backward_op, _backward_fake)
 
 
 def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean", log_target: bool = False):
@@ -43,6 +95,8 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean", l
     if target.requires_grad and torch.is_grad_enabled():
         raise ValueError("target requires grad, but liger_torch.kl_div differentiates input only; pass "
                          "target.detach()")
+    if compiling():
+        return forward_op(input, target, reduction, bool(log_target))
     return LigerKLDivFunction.apply(input, target, reduction, bool(log_target))
 
 

@@ -9,15 +9,35 @@ from torch import nn
 
 from liger_core import layer_norm as core
 
+from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, info, num_sms, optional_info, rowwise, run_plan
+
+
+def _forward(x, weight, bias, eps):
+    """``(x as the kernel read it, y, mean, rstd)``: x is a row-foldable view of the input, or a copy."""
+    x = rowwise(x)
+    plan = core.forward_plan(info(x), optional_info(weight), optional_info(bias), eps=eps)
+    y, mean, rstd = run_plan(plan, x=x, weight=weight, bias=bias)
+    return x, y, mean, rstd
+
+
+def _backward(dy, x, weight, bias_info, mean, rstd):
+    """``(dx, dw, db)`` (None for an absent parameter); x as :func:`_forward` returned it."""
+    dy = rowwise(dy)
+    # Not in place: the gradient of a LayerNorm output is often shared (e.g. a pre-norm's input branch).
+    plan = core.backward_plan(info(dy), info(x), optional_info(weight), bias_info, num_sms=num_sms(x.device),
+                              in_place=False)
+    grads = list(run_plan(plan, dy=dy, x=x, weight=weight, mean=mean, rstd=rstd))
+    dx = grads.pop(0)
+    dw = grads.pop(0) if weight is not None else None
+    db = grads.pop(0) if bias_info is not None else None
+    return dx, dw, db
 
 
 class LigerLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        x = rowwise(x)
-        plan = core.forward_plan(info(x), optional_info(weight), optional_info(bias), eps=eps)
-        y, mean, rstd = run_plan(plan, x=x, weight=weight, bias=bias)
+        x, y, mean, rstd = _forward(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.bias_info = optional_info(bias)
         return y
@@ -25,15 +45,52 @@ class LigerLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight, mean, rstd = ctx.saved_tensors
-        dy = rowwise(grad_output)
-        # Not in place: the gradient of a LayerNorm output is often shared (e.g. a pre-norm's input branch).
-        plan = core.backward_plan(info(dy), info(x), optional_info(weight), ctx.bias_info,
-                                  num_sms=num_sms(x.device), in_place=False)
-        grads = list(run_plan(plan, dy=dy, x=x, weight=weight, mean=mean, rstd=rstd))
-        dx = grads.pop(0)
-        dw = grads.pop(0) if weight is not None else None
-        db = grads.pop(0) if ctx.bias_info is not None else None
+        dx, dw, db = _backward(grad_output, x, weight, ctx.bias_info, mean, rstd)
         return dx, dw, db, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops.
+
+
+def _forward_op(x, weight, bias, eps):
+    return _forward(x, weight, bias, eps)[1:]
+
+
+def _forward_fake(x, weight, bias, eps):
+    rows = x.shape[:-1]
+    return empty_like(x), empty_like(x, torch.float32, rows), empty_like(x, torch.float32, rows)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, bias, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for mean and rstd
+
+
+def _backward_fn(ctx, dy, *_):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = backward_op(dy, x, weight, bias, mean, rstd)
+    return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+
+
+forward_op = define("layer_norm_forward",
+                    "(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)", _forward_op,
+                    _forward_fake, setup_context=_setup_context, backward=_backward_fn)
+
+
+def _backward_op(dy, x, weight, bias, mean, rstd):
+    dx, dw, db = _backward(dy, rowwise(x), weight, optional_info(bias), mean, rstd)
+    return dx, (dw if dw is not None else absent(dx)), (db if db is not None else absent(dx))
+
+
+def _backward_fake(dy, x, weight, bias, mean, rstd):
+    return tuple(empty_like(t) if t is not None else absent(x) for t in (x, weight, bias))
+
+
+backward_op = define("layer_norm_backward",
+                     "(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd) "
+                     "-> (Tensor, Tensor, Tensor)", _backward_op, _backward_fake)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
@@ -42,6 +99,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
     Computed in fp32, rounded once to x's dtype, as ``torch.nn.functional.layer_norm`` does."""
     check_tensors(x=x, weight=weight, bias=bias)
+    if compiling():
+        return forward_op(x, weight, bias, float(eps))[0]
     return LigerLayerNormFunction.apply(x, weight, bias, float(eps))
 
 

@@ -7,15 +7,31 @@ from torch import nn
 
 from liger_core import rms_norm as core
 
-from ._launch import check_tensors, info, num_sms, optional_info, rowwise, run_plan
+from ._custom_ops import absent, compiling, define, empty_like
+from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan
+
+
+def _forward(x, weight, eps, offset, casting_mode):
+    """``(x as the kernel read it, y, rstd)``: x is a row-foldable view of the input, or a copy."""
+    x = rowwise(x)
+    plan = core.forward_plan(info(x), optional_info(weight), eps=eps, offset=offset, casting_mode=casting_mode)
+    y, rstd = run_plan(plan, x=x, weight=weight)
+    return x, y, rstd
+
+
+def _backward(dy, x, weight, rstd, offset, casting_mode, in_place):
+    """``(dx, dw)`` (dw None without a weight); x as :func:`_forward` returned it."""
+    dy = rowwise(dy)
+    plan = core.backward_plan(info(dy), info(x), optional_info(weight), offset=offset, casting_mode=casting_mode,
+                              num_sms=num_sms(x.device), in_place=in_place)
+    grads = run_plan(plan, dy=dy, x=x, weight=weight, rstd=rstd)
+    return grads[0], (grads[1] if weight is not None else None)
 
 
 class LigerRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
-        x = rowwise(x)
-        plan = core.forward_plan(info(x), optional_info(weight), eps=eps, offset=offset, casting_mode=casting_mode)
-        y, rstd = run_plan(plan, x=x, weight=weight)
+        x, y, rstd = _forward(x, weight, eps, offset, casting_mode)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
         return y
@@ -23,12 +39,54 @@ class LigerRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight, rstd = ctx.saved_tensors
-        dy = rowwise(grad_output)
-        plan = core.backward_plan(info(dy), info(x), optional_info(weight), offset=ctx.offset,
-                                  casting_mode=ctx.casting_mode, num_sms=num_sms(x.device), in_place=ctx.in_place)
-        grads = run_plan(plan, dy=dy, x=x, weight=weight, rstd=rstd)
-        dw = grads[1] if weight is not None else None
-        return grads[0], dw, None, None, None, None
+        dx, dw = _backward(grad_output, x, weight, rstd, ctx.offset, ctx.casting_mode, ctx.in_place)
+        return dx, dw, None, None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops, never in place.
+
+
+def _forward_op(x, weight, eps, offset, casting_mode):
+    _, y, rstd = _forward(x, weight, eps, offset, casting_mode)
+    return y, rstd
+
+
+def _forward_fake(x, weight, eps, offset, casting_mode):
+    y_dtype = core.output_dtype(dtype_name(x.dtype), None if weight is None else dtype_name(weight.dtype),
+                                casting_mode)
+    return empty_like(x, y_dtype), empty_like(x, torch.float32, x.shape[:-1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, ctx.offset, ctx.casting_mode = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for rstd
+
+
+def _backward_fn(ctx, dy, _):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = backward_op(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
+    return dx, (dw if weight is not None else None), None, None, None
+
+
+forward_op = define("rms_norm_forward",
+                    "(Tensor x, Tensor? weight, float eps, float offset, str casting_mode) -> (Tensor, Tensor)",
+                    _forward_op, _forward_fake, setup_context=_setup_context, backward=_backward_fn)
+
+
+def _backward_op(dy, x, weight, rstd, offset, casting_mode):
+    dx, dw = _backward(dy, rowwise(x), weight, rstd, offset, casting_mode, in_place=False)
+    return dx, (dw if dw is not None else absent(dx))
+
+
+def _backward_fake(dy, x, weight, rstd, offset, casting_mode):
+    return empty_like(x), (empty_like(weight) if weight is not None else absent(x))
+
+
+backward_op = define("rms_norm_backward",
+                     "(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, float offset, str casting_mode) "
+                     "-> (Tensor, Tensor)", _backward_op, _backward_fake)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0,
@@ -38,9 +96,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
     ``casting_mode`` is ``"llama"`` (HF LlamaRMSNorm), ``"gemma"`` (all fp32; use offset=1.0 for Gemma) or
     ``"none"``. With ``in_place`` the backward writes dx over the incoming gradient when that is safe (same
     dtype, dense); turn it off when the gradient of the output is shared with another branch (Gemma 2/3
-    post-norms feeding a residual sum).
+    post-norms feeding a residual sum). Under ``torch.compile`` nothing is written in place (``in_place`` has no
+    effect there; see ``liger_torch._custom_ops``).
     """
     check_tensors(x=x, weight=weight)
+    if compiling():
+        return forward_op(x, weight, float(eps), float(offset), casting_mode)[0]
     return LigerRMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, bool(in_place))
 
 

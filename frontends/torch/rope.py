@@ -6,17 +6,29 @@ import torch
 
 from liger_core import rope as core
 
+from ._custom_ops import compiling, define, empty_like
 from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
 
 _HEAD_AXES = {1: 1, -3: 1, 2: 2, -2: 2}
 
 
+def _forward(q, k, cos, sin, position_ids, head_axis, interleaved):
+    plan = core.forward_plan(info(q), info(k), info(cos), info(sin), optional_info(position_ids),
+                             head_axis=head_axis, interleaved=interleaved)
+    return run_plan(plan, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+
+
+def _backward(dq, dk, cos, sin, position_ids, head_axis, interleaved, q_dtype, k_dtype, in_place):
+    plan = core.backward_plan(info(dq), info(dk), info(cos), info(sin), optional_info(position_ids),
+                              head_axis=head_axis, q_dtype=q_dtype, k_dtype=k_dtype, interleaved=interleaved,
+                              in_place=in_place)
+    return run_plan(plan, q=dq, k=dk, cos=cos, sin=sin, position_ids=position_ids)
+
+
 class LigerRopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, position_ids, head_axis, interleaved, in_place):
-        plan = core.forward_plan(info(q), info(k), info(cos), info(sin), optional_info(position_ids),
-                                 head_axis=head_axis, interleaved=interleaved)
-        q_out, k_out = run_plan(plan, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+        q_out, k_out = _forward(q, k, cos, sin, position_ids, head_axis, interleaved)
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.head_axis, ctx.interleaved, ctx.in_place = head_axis, interleaved, in_place
         ctx.q_dtype, ctx.k_dtype = dtype_name(q.dtype), dtype_name(k.dtype)
@@ -26,11 +38,51 @@ class LigerRopeFunction(torch.autograd.Function):
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
         # (autograd materialises the gradient of an unused output as zeros, so neither is None)
-        plan = core.backward_plan(info(dq), info(dk), info(cos), info(sin), optional_info(position_ids),
-                                  head_axis=ctx.head_axis, q_dtype=ctx.q_dtype, k_dtype=ctx.k_dtype,
-                                  interleaved=ctx.interleaved, in_place=ctx.in_place)
-        dq, dk = run_plan(plan, q=dq, k=dk, cos=cos, sin=sin, position_ids=position_ids)
+        dq, dk = _backward(dq, dk, cos, sin, position_ids, ctx.head_axis, ctx.interleaved, ctx.q_dtype, ctx.k_dtype,
+                           ctx.in_place)
         return dq, dk, None, None, None, None, None, None
+
+
+# torch.compile path (see _custom_ops): the same helpers as custom ops, never in place.
+
+
+def _forward_fake(q, k, cos, sin, position_ids, head_axis, interleaved):
+    cos_dtype = dtype_name(cos.dtype)
+    return (empty_like(q, core.output_dtype(dtype_name(q.dtype), cos_dtype)),
+            empty_like(k, core.output_dtype(dtype_name(k.dtype), cos_dtype)))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, position_ids, ctx.head_axis, ctx.interleaved = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
+
+
+def _backward_fn(ctx, dq, dk):
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = backward_op(dq, dk, cos, sin, position_ids, ctx.head_axis, ctx.interleaved, ctx.q_dtype, ctx.k_dtype)
+    return dq, dk, None, None, None, None, None
+
+
+forward_op = define("rope_forward",
+                    "(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids, int head_axis, "
+                    "bool interleaved) -> (Tensor, Tensor)", _forward, _forward_fake, setup_context=_setup_context,
+                    backward=_backward_fn)
+
+
+def _backward_op(dq, dk, cos, sin, position_ids, head_axis, interleaved, q_dtype, k_dtype):
+    return _backward(dq, dk, cos, sin, position_ids, head_axis, interleaved, dtype_name(q_dtype),
+                     dtype_name(k_dtype), in_place=False)
+
+
+def _backward_fake(dq, dk, cos, sin, position_ids, head_axis, interleaved, q_dtype, k_dtype):
+    return empty_like(dq, q_dtype), empty_like(dk, k_dtype)
+
+
+backward_op = define("rope_backward",
+                     "(Tensor dq, Tensor dk, Tensor cos, Tensor sin, Tensor? position_ids, int head_axis, "
+                     "bool interleaved, ScalarType q_dtype, ScalarType k_dtype) -> (Tensor, Tensor)",
+                     _backward_op, _backward_fake)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -43,7 +95,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     (1 or B, T)) tables whose rows ``position_ids`` selects. Returns ``(q_embed, k_embed)``
     (``q * cos + rotate_half(q) * sin``; ``interleaved=True`` pairs (2j, 2j+1) instead, GPT-J style).
     No gradient flows to cos/sin (HF computes them without one). With ``in_place`` the backward writes the
-    q/k gradients over the incoming ones when those are dense and of q's/k's dtype.
+    q/k gradients over the incoming ones when those are dense and of q's/k's dtype (not under ``torch.compile``,
+    where nothing is written in place).
     """
     check_tensors(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
     if unsqueeze_dim not in _HEAD_AXES:
@@ -51,5 +104,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("rope does not differentiate with respect to cos/sin; pass cos.detach() / sin.detach() "
                          "(HF's rotary embedding computes them without gradient)")
+    if compiling():
+        return forward_op(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], bool(interleaved))
     return LigerRopeFunction.apply(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], bool(interleaved),
                                    bool(in_place))

@@ -7,6 +7,7 @@ from torch import nn
 
 from liger_core import swiglu as core
 
+from ._custom_ops import compiling, define, empty_like
 from ._launch import check_tensors, info, rowwise, run_plan
 
 
@@ -24,12 +25,24 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _forward(a, b, activation):
+    """``(a, b as the kernel read them, c)``: row-foldable views of the inputs, or copies."""
+    a, b = rowwise(a), rowwise(b)
+    (c,) = run_plan(core.forward_plan(info(a), info(b), activation=activation), a=a, b=b)
+    return a, b, c
+
+
+def _backward(dc, a, b, activation, in_place):
+    """``(da, db)``; a and b as :func:`_forward` returned them."""
+    dc = rowwise(dc)
+    plan = core.backward_plan(info(dc), info(a), info(b), activation=activation, in_place=in_place)
+    return run_plan(plan, dc=dc, a=a, b=b)
+
+
 class LigerGatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, activation, in_place):
-        a, b = rowwise(a), rowwise(b)
-        plan = core.forward_plan(info(a), info(b), activation=activation)
-        (c,) = run_plan(plan, a=a, b=b)
+        a, b, c = _forward(a, b, activation)
         ctx.save_for_backward(a, b)
         ctx.activation, ctx.in_place = activation, in_place
         return c
@@ -37,12 +50,10 @@ class LigerGatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
-        dc = rowwise(dc)
         # Writing da over a and db over b frees two activation-sized buffers; only when a and b are distinct
         # memory, and only when the caller said nothing else reads them (the MLP modules own theirs).
         in_place = ctx.in_place and not _overlap(a, b)
-        plan = core.backward_plan(info(dc), info(a), info(b), activation=ctx.activation, in_place=in_place)
-        da, db = run_plan(plan, dc=dc, a=a, b=b)
+        da, db = _backward(dc, a, b, ctx.activation, in_place)
         if in_place:
             # a and b now hold gradients: bump their version so that any other user of the saved tensors
             # (a second backward with retain_graph, another op that saved them) fails loudly, not silently.
@@ -52,14 +63,55 @@ class LigerGatedActivationFunction(torch.autograd.Function):
         return da, db, None, None
 
 
+# torch.compile path (see _custom_ops): the same helpers as custom ops, never in place.
+
+
+def _forward_op(a, b, activation):
+    return _forward(a, b, activation)[2]
+
+
+def _forward_fake(a, b, activation):
+    return empty_like(a)
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, ctx.activation = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _backward_fn(ctx, dc):
+    a, b = ctx.saved_tensors
+    da, db = backward_op(dc, a, b, ctx.activation)
+    return da, db, None
+
+
+forward_op = define("gated_activation_forward", "(Tensor a, Tensor b, str activation) -> Tensor", _forward_op,
+                    _forward_fake, setup_context=_setup_context, backward=_backward_fn)
+
+
+def _backward_op(dc, a, b, activation):
+    return _backward(dc, rowwise(a), rowwise(b), activation, in_place=False)
+
+
+def _backward_fake(dc, a, b, activation):
+    return empty_like(a), empty_like(b)
+
+
+backward_op = define("gated_activation_backward", "(Tensor dc, Tensor a, Tensor b, str activation) -> (Tensor, Tensor)",
+                     _backward_op, _backward_fake)
+
+
 def _gated(a, b, activation, in_place):
     check_tensors(a=a, b=b)
+    if compiling():
+        return forward_op(a, b, activation)
     return LigerGatedActivationFunction.apply(a, b, activation, bool(in_place))
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``silu(a) * b`` (LLaMA's MLP gate). The backward recomputes silu(a); with ``in_place`` it writes da
-    over a and db over b, which is only right when nothing else needs a and b afterwards."""
+    over a and db over b, which is only right when nothing else needs a and b afterwards (not under
+    ``torch.compile``, where nothing is written in place)."""
     return _gated(a, b, "silu", in_place)
 
 
