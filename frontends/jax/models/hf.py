@@ -17,7 +17,7 @@ from flax import nnx
 
 from .llama import LlamaConfig, LlamaForCausalLM, RMSNorm
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 
 def _get(cfg, name, default=None):
@@ -42,6 +42,10 @@ def config_from_hf(hf_config) -> LlamaConfig:
         sliding_window = _get(hf_config, "sliding_window", None)
     elif _get(hf_config, "use_sliding_window", False):
         raise NotImplementedError(f"{model_type} with use_sliding_window=True is not supported")
+    if _get(hf_config, "use_bidirectional_attention", False):
+        raise NotImplementedError(f"{model_type} with use_bidirectional_attention=True is not supported")
+    gemma = model_type == "gemma"
+    pad = _get(hf_config, "pad_token_id", 0 if gemma else None)
     return LlamaConfig(
         vocab_size=_get(hf_config, "vocab_size"),
         hidden_size=_get(hf_config, "hidden_size"),
@@ -54,15 +58,29 @@ def config_from_hf(hf_config) -> LlamaConfig:
         rope_theta=float(theta),
         rope_scaling=rope_scaling,
         max_position_embeddings=_get(hf_config, "max_position_embeddings", 2048),
-        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", gemma)),
         qkv_bias=True if model_type == "qwen2" else attention_bias,
         o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         sliding_window=sliding_window,
-        hidden_act=_get(hf_config, "hidden_act", "silu"),
+        hidden_act=_gemma_activation(hf_config) if gemma else _get(hf_config, "hidden_act", "silu"),
+        norm_offset=1.0 if gemma else 0.0,
+        norm_casting="gemma" if gemma else "llama",
+        scale_embeddings=gemma,
+        pad_token_id=pad if pad is not None and 0 <= pad < _get(hf_config, "vocab_size") else None,
         model_type=model_type,
     )
+
+
+def _gemma_activation(hf_config) -> str:
+    """transformers 4 reads ``hidden_activation`` (unset: tanh GELU); 5 reads ``hidden_act`` and takes the
+    legacy "gelu" of the original checkpoints to mean the tanh approximation too."""
+    act = _get(hf_config, "hidden_activation", None)
+    if act:
+        return act
+    act = _get(hf_config, "hidden_act", None)
+    return "gelu_pytorch_tanh" if act in (None, "gelu") else act
 
 
 def _to_numpy(t):
@@ -162,11 +180,13 @@ def state_dict_from_flax(model: LlamaForCausalLM) -> dict:
 
 
 def config_to_hf(config: LlamaConfig):
-    """The transformers config of a :class:`LlamaConfig` (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)."""
+    """The transformers config of a :class:`LlamaConfig` (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+    GemmaConfig)."""
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[config.model_type]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gemma": transformers.GemmaConfig}[config.model_type]
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling:
         rope.update(config.rope_scaling)
@@ -175,10 +195,11 @@ def config_to_hf(config: LlamaConfig):
               num_attention_heads=config.num_attention_heads, num_key_value_heads=config.kv_heads,
               head_dim=config.dim_per_head, rms_norm_eps=config.rms_norm_eps, rope_parameters=rope,
               max_position_embeddings=config.max_position_embeddings,
-              tie_word_embeddings=config.tie_word_embeddings, hidden_act=config.hidden_act)
+              tie_word_embeddings=config.tie_word_embeddings, hidden_act=config.hidden_act,
+              pad_token_id=config.pad_token_id)
     if config.model_type == "llama":
         kw.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
-    elif config.model_type == "qwen3":
+    elif config.model_type in ("qwen3", "gemma"):
         kw.update(attention_bias=config.qkv_bias)
     elif config.model_type == "mistral":
         kw.update(sliding_window=config.sliding_window)

@@ -1,13 +1,18 @@
-"""A Llama-family causal LM in Flax NNX (llama, mistral, qwen2, qwen3) on the liger_jax kernels.
+"""A Llama-family causal LM in Flax NNX (llama, mistral, qwen2, qwen3, gemma) on the liger_jax kernels.
 
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.embed_tokens``,
 ``model.layers[i].self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ``model.norm``, ``lm_head``) with
 Flax's leaf names (``kernel`` (in, out), ``bias``, ``embedding``, ``scale``), so the weight mapping in
 :mod:`liger_jax.models.hf` is mechanical.
 
-``use_kernels`` routes RMSNorm, RoPE, the SwiGLU gate and the loss through liger_jax (``True``), none of them
-(``False``: the pure-XLA baseline) or a chosen subset (a dict / :class:`Kernels`). Attention always goes through
-``jax.nn.dot_product_attention`` (GQA natively, causal; the cuDNN flash path on GPU when asked for).
+``use_kernels`` routes RMSNorm, RoPE, the gated MLP activation (SwiGLU, or GeGLU for gemma) and the loss through
+liger_jax (``True``), none of them (``False``: the pure-XLA baseline) or a chosen subset (a dict /
+:class:`Kernels`). Attention always goes through ``jax.nn.dot_product_attention`` (GQA natively, causal, Mistral's
+sliding window as a local window; the cuDNN flash path on GPU when asked for).
+
+Gemma differs from Llama in four places, all config fields: the norms multiply by ``1 + scale`` computed in fp32
+(``norm_offset``, ``norm_casting``), the MLP is GeGLU with the tanh approximation (``hidden_act``), the embeddings
+are multiplied by sqrt(hidden_size) in the compute dtype (``scale_embeddings``), and the head is tied.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from flax import nnx
 from ..fused_linear_cross_entropy import fused_linear_cross_entropy
 from ..rms_norm import rms_norm
 from ..rope import rope
-from ..swiglu import swiglu
+from ..swiglu import geglu, swiglu
 
 IGNORE_INDEX = -100
+# hidden_act -> GELU approximation of the gated MLP (None: SiLU, i.e. SwiGLU); HF's ACT2FN names
+ACTIVATIONS = {"silu": None, "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +43,7 @@ class Kernels:
     rms_norm: bool = True
     rope: bool = True
     swiglu: bool = True
+    geglu: bool = True  # gemma's gated MLP
     loss: bool = True  # fused linear cross-entropy: logits never materialised
 
     @classmethod
@@ -43,7 +51,7 @@ class Kernels:
         if isinstance(use_kernels, Kernels):
             return use_kernels
         if isinstance(use_kernels, bool):
-            return cls(use_kernels, use_kernels, use_kernels, use_kernels)
+            return cls(**{f.name: use_kernels for f in dataclasses.fields(cls)})
         if isinstance(use_kernels, dict):
             unknown = set(use_kernels) - {f.name for f in dataclasses.fields(cls)}
             if unknown:
@@ -73,7 +81,11 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # qwen3: RMSNorm over head_dim of q and k before RoPE
     sliding_window: int | None = None  # mistral: a token sees the last `sliding_window` positions
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # "silu": SwiGLU; "gelu_pytorch_tanh" (gemma): GeGLU, tanh approximation
+    norm_offset: float = 0.0  # gemma: 1.0, the norms multiply by (1 + scale) (and their scales start at zero)
+    norm_casting: str = "llama"  # "llama": normalise in fp32, scale in x's dtype; "gemma": all in fp32
+    scale_embeddings: bool = False  # gemma: embeddings times sqrt(hidden_size), rounded to the compute dtype
+    pad_token_id: int | None = None  # HF's Embedding padding_idx: that row gets no gradient from the lookup
     model_type: str = "llama"
 
     @property
@@ -85,8 +97,10 @@ class LlamaConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def __post_init__(self):
-        if self.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act {self.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+        if self.hidden_act not in ACTIVATIONS:
+            raise NotImplementedError(f"hidden_act {self.hidden_act!r}: supported are {sorted(ACTIVATIONS)}")
+        if self.norm_casting not in ("llama", "gemma"):
+            raise ValueError(f"norm_casting must be 'llama' or 'gemma', got {self.norm_casting!r}")
         if self.num_attention_heads % self.kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
@@ -130,21 +144,33 @@ def _rotate_half(x):
 
 
 class RMSNorm(nnx.Module):
-    """HF ``LlamaRMSNorm``: ``scale * (x32 * rsqrt(mean(x32^2) + eps)).astype(x.dtype)`` (parameter ``scale``)."""
+    """HF ``LlamaRMSNorm``: ``scale * (x32 * rsqrt(mean(x32^2) + eps)).astype(x.dtype)`` (parameter ``scale``);
+    with ``casting_mode="gemma"`` HF ``GemmaRMSNorm``: ``(x32 * rsqrt(...) * (offset + scale32)).astype(x.dtype)``.
+    The scale starts at ``1 - offset``, so a fresh norm is the identity map either way."""
 
-    def __init__(self, num_features: int, *, epsilon: float, use_kernel: bool, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs | None = None):
-        self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+    def __init__(self, num_features: int, *, epsilon: float, use_kernel: bool, offset: float = 0.0,
+                 casting_mode: str = "llama", param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.scale = nnx.Param(jnp.full((num_features,), 1.0 - offset, param_dtype))
         self.epsilon = epsilon
+        self.offset = offset
+        self.casting_mode = casting_mode
         self.use_kernel = use_kernel
 
     def __call__(self, x):
-        scale = self.scale[...].astype(x.dtype)
+        # llama rounds the scale to x's dtype first; gemma keeps it (and everything else) in fp32
+        scale = self.scale[...].astype(x.dtype if self.casting_mode == "llama" else jnp.float32)
         if self.use_kernel:
-            return rms_norm(x, scale, epsilon=self.epsilon, casting_mode="llama")
+            return rms_norm(x, scale, epsilon=self.epsilon, offset=self.offset, casting_mode=self.casting_mode)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
-        return scale * y.astype(x.dtype)
+        if self.casting_mode == "gemma":
+            return (y * (self.offset + scale)).astype(x.dtype)
+        return (self.offset + scale) * y.astype(x.dtype)
+
+
+def _norm(config: LlamaConfig, num_features: int, kernels: Kernels, param_dtype) -> RMSNorm:
+    return RMSNorm(num_features, epsilon=config.rms_norm_eps, offset=config.norm_offset,
+                   casting_mode=config.norm_casting, use_kernel=kernels.rms_norm, param_dtype=param_dtype)
 
 
 class LlamaAttention(nnx.Module):
@@ -158,9 +184,8 @@ class LlamaAttention(nnx.Module):
         self.v_proj = nnx.Linear(h, nkv * d, use_bias=config.qkv_bias, **lin)
         self.o_proj = nnx.Linear(nq * d, h, use_bias=config.o_bias, **lin)
         if config.qk_norm:
-            norm = dict(epsilon=config.rms_norm_eps, use_kernel=kernels.rms_norm, param_dtype=param_dtype)
-            self.q_norm = RMSNorm(d, **norm)
-            self.k_norm = RMSNorm(d, **norm)
+            self.q_norm = _norm(config, d, kernels, param_dtype)
+            self.k_norm = _norm(config, d, kernels, param_dtype)
         self.qk_norm = config.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, d
         self.sliding_window = config.sliding_window
@@ -188,7 +213,7 @@ class LlamaAttention(nnx.Module):
 
 
 class LlamaMLP(nnx.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (silu) or GeGLU (gelu, gemma)."""
 
     def __init__(self, config: LlamaConfig, kernels: Kernels, *, dtype, param_dtype, rngs: nnx.Rngs):
         lin = dict(use_bias=config.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -197,25 +222,36 @@ class LlamaMLP(nnx.Module):
         self.gate_proj = nnx.Linear(h, i, **lin)
         self.up_proj = nnx.Linear(h, i, **lin)
         self.down_proj = nnx.Linear(i, h, **lin)
-        self.use_kernel = kernels.swiglu
+        self.approximate = ACTIVATIONS[config.hidden_act]  # None: SiLU
+        self.use_kernel = kernels.swiglu if self.approximate is None else kernels.geglu
 
     def __call__(self, x):
         a, b = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(a, b) if self.use_kernel else jax.nn.silu(a) * b)
+        if self.approximate is None:
+            y = swiglu(a, b) if self.use_kernel else jax.nn.silu(a) * b
+        elif self.use_kernel:
+            y = geglu(a, b, approximate=self.approximate)
+        else:
+            y = jax.nn.gelu(a, approximate=self.approximate == "tanh") * b
+        return self.down_proj(y)
 
 
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, config: LlamaConfig, kernels: Kernels, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        norm = dict(epsilon=config.rms_norm_eps, use_kernel=kernels.rms_norm, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.input_layernorm = _norm(config, config.hidden_size, kernels, param_dtype)
         self.self_attn = LlamaAttention(config, kernels, **kw)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.post_attention_layernorm = _norm(config, config.hidden_size, kernels, param_dtype)
         self.mlp = LlamaMLP(config, kernels, **kw)
 
     def __call__(self, x, cos, sin, mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def tap_names(config: LlamaConfig) -> list[str]:
+    """Names of the activations ``LlamaModel(..., output_hidden_states=True)`` returns, in order."""
+    return ["embeddings"] + [f"layers.{i}" for i in range(config.num_hidden_layers)] + ["norm"]
 
 
 class LlamaModel(nnx.Module):
@@ -228,16 +264,36 @@ class LlamaModel(nnx.Module):
                                       embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.layers = nnx.List([LlamaDecoderLayer(config, kernels, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                 for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, epsilon=config.rms_norm_eps, use_kernel=kernels.rms_norm,
-                            param_dtype=param_dtype)
+        self.norm = _norm(config, config.hidden_size, kernels, param_dtype)
         self.dtype = dtype
         self.remat = remat
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        b, t = input_ids.shape
+    def _embed(self, input_ids):
         x = self.embed_tokens(input_ids)
         if self.dtype is not None:
             x = x.astype(self.dtype)
+        if self.config.scale_embeddings:  # HF rounds the factor to the activations' dtype (sqrt(3072) -> 55.5)
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        pad = self.config.pad_token_id
+        if pad is not None:  # torch's Embedding(padding_idx=pad): the padding row's gradient stays zero
+            x = jnp.where((input_ids == pad)[..., None], jax.lax.stop_gradient(x), x)
+        return x
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, output_hidden_states: bool = False,
+                 taps=None):
+        """The final norm's output (B, T, H); with ``output_hidden_states`` also the activations named by
+        :func:`tap_names` (embeddings, each layer's output, the final norm's output). ``taps``: arrays added at
+        those points (zeros change nothing; the gradient with respect to them is the activations' gradient)."""
+        b, t = input_ids.shape
+        hidden = []
+
+        def tap(x):
+            if taps is not None:
+                x = x + taps[len(hidden)].astype(x.dtype)
+            hidden.append(x)
+            return x
+
+        x = tap(self._embed(input_ids))
         positions = jnp.arange(t)[None] if position_ids is None else jnp.asarray(position_ids).reshape(-1, t)
         cos, sin = rope_tables(self.config, positions, jnp.float32)
         mask = None
@@ -248,7 +304,9 @@ class LlamaModel(nnx.Module):
                 x = nnx.remat(lambda lyr, h, c, s, m: lyr(h, c, s, m))(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
-        return self.norm(x)
+            x = tap(x)
+        x = tap(self.norm(x))
+        return (x, tuple(hidden)) if output_hidden_states else x
 
 
 def shift_labels(labels, ignore_index: int = IGNORE_INDEX):
@@ -282,7 +340,10 @@ class LlamaForCausalLM(nnx.Module):
         return self.lm_head.kernel[...], False
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        h = self.model(input_ids, attention_mask, position_ids)
+        return self.logits(self.model(input_ids, attention_mask, position_ids))
+
+    def logits(self, h):
+        """The head on hidden states (B, T, H) -> (B, T, V)."""
         w, transpose = self._head()
         w = w.astype(h.dtype)
         return h @ w.T if transpose else h @ w
@@ -292,6 +353,10 @@ class LlamaForCausalLM(nnx.Module):
         """Mean cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` over the non-ignored labels (HF's
         ``ForCausalLMLoss``). With the loss kernel the logits are never materialised (fused linear CE)."""
         h = self.model(input_ids, attention_mask, position_ids)
+        return self.loss_from_hidden(h, labels, ignore_index=ignore_index)
+
+    def loss_from_hidden(self, h, labels, *, ignore_index: int = IGNORE_INDEX):
+        """:meth:`loss` from the final hidden states (B, T, H)."""
         targets = shift_labels(labels, ignore_index)
         w, transpose = self._head()
         w = w.astype(h.dtype)
