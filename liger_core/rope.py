@@ -82,7 +82,7 @@ def _rope_kernel(
     POS, pos_sb, pos_st,
     qo_sb, qo_st, qo_sh, qo_sd,
     ko_sb, ko_st, ko_sh, ko_sd,
-    n_tokens, n_heads_q, n_heads_k, half,
+    n_tokens, n_heads_q, n_heads_k, half, n_positions,
     QO, KO,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_POS: tl.constexpr,
@@ -91,8 +91,14 @@ def _rope_kernel(
     b = token // n_tokens
     t = token % n_tokens
     row = t
+    poison = 0.0
     if HAS_POS:
         row = tl.load(POS + b * pos_sb + t * pos_st).to(tl.int64)
+        # The frontends reject out-of-range positions they can see; a traced one (jax.jit) must still not read
+        # outside the tables: read row 0 instead and make the token's outputs NaN, so the error shows.
+        inside = (row >= 0) & (row < n_positions)
+        row = tl.where(inside, row, 0)
+        poison = tl.where(inside, 0.0, float("nan"))
     cos_row = COS + b * cos_sb + row * cos_st
     sin_row = SIN + b * sin_sb + row * sin_st
     if INTERLEAVED:
@@ -109,6 +115,7 @@ def _rope_kernel(
         c2 = tl.load(cos_row + (j + half) * cos_sd, mask=j_mask, other=0.0).to(tl.float32)
         s1 = tl.load(sin_row + j * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
         s2 = tl.load(sin_row + (j + half) * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = c1 + poison, c2 + poison, s1 + poison, s2 + poison
     _rotate_heads(Q + b * q_sb + t * q_st, q_sh, q_sd, QO + b * qo_sb + t * qo_st, qo_sh, qo_sd,
                   n_heads_q, half, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF, INTERLEAVED, BACKWARD)
     _rotate_heads(K + b * k_sb + t * k_st, k_sh, k_sd, KO + b * ko_sb + t * ko_st, ko_sh, ko_sd,
@@ -226,7 +233,7 @@ def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_i
         args=(Buf("q"), *_bthd(q.strides, head_axis), Buf("k"), *_bthd(k.strides, head_axis),
               Buf("cos"), *_table_strides(cos), Buf("sin"), *_table_strides(sin), *pos_args,
               *_bthd(out_strides[0], head_axis), *_bthd(out_strides[1], head_axis),
-              T, Hq, Hk, half),
+              T, Hq, Hk, half, cos.shape[-2]),
         outputs=tuple(outputs),
         constexprs={"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half,
                     "INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_POS": has_pos},

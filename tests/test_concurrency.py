@@ -96,10 +96,6 @@ def _torch_job(kind, i, device):
     return job
 
 
-@pytest.mark.xfail(liger_core.INTERPRET, strict=False,
-                   reason="Triton's interpreter keeps the running kernel's grid index and its patched language "
-                          "module in process-global state, and liger_torch does not serialise interpreted launches "
-                          "yet: concurrent threads read each other's program ids (errors or wrong values)")
 def test_torch_kernels_from_four_threads(device):
     kinds = ["rms_norm", "cross_entropy", "swiglu", "layer_norm"]
     _run_threads([_torch_job(kinds[i % len(kinds)], i, device) for i in range(N_THREADS)])

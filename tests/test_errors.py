@@ -610,8 +610,6 @@ _POSITIONS_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="position_ids values are not checked yet: an out-of-range one reads "
-                                       "outside cos/sin (segfault in the interpreter); see docs/errors.md, Known gaps")
 @pytest.mark.parametrize("frontend", ["torch", "jax"])
 def test_out_of_range_position_ids_raise(frontend):
     """Run in a subprocess: today the bad read kills the process, which must not take pytest with it."""

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import functools
 import sys
+import threading
 
 import torch
 from triton import knobs
@@ -39,6 +40,14 @@ def optional_info(t: torch.Tensor | None) -> ArrayInfo | None:
 def rowwise(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its leading axes fold into rows by strides, else a contiguous copy."""
     return t if collapse_rows(info(t)) is not None else t.contiguous()
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` would give a matmul on t's device, or None when autocast is off there. The
+    fused linear losses cast their matmul operands to it themselves (as ``F.linear`` would) and run with
+    autocast off, so their chunk logits keep the dtype the kernel plans were built for."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def _dtensor_type():
@@ -132,8 +141,18 @@ _FAST_LAUNCHES: collections.OrderedDict = collections.OrderedDict()
 _FAST_LAUNCHES_MAX = 4096
 
 
+# Triton's interpreter keeps the running kernel's program ids (and its patched tl module) in process-global
+# state: two threads interpreting at once read each other's grid index. Interpreted launches take turns.
+INTERPRETER_LOCK = threading.RLock()
+
+
 def _launch(launch, args, outputs, device) -> None:
-    if device.type != "cuda" or knobs.runtime.launch_enter_hook is not None:
+    if device.type != "cuda":
+        with INTERPRETER_LOCK:
+            launch.kernel[launch.grid](*args, *outputs, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                                       **launch.constexprs)
+        return
+    if knobs.runtime.launch_enter_hook is not None:
         launch.kernel[launch.grid](*args, *outputs, num_warps=launch.num_warps, num_stages=launch.num_stages,
                                    **launch.constexprs)
         return

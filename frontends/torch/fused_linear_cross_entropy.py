@@ -8,6 +8,8 @@ gradient folded into the kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -15,22 +17,55 @@ from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
+from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
 from .cross_entropy import check_targets
 
 
 
+@functools.lru_cache(maxsize=None)
+def _addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` adds low-precision products into an
+    fp32 accumulator in place on this device (CUDA builds with the ``addmm.dtype_out`` kernel). Probed once
+    on a small case against the two-step path, so a build without it (or the CPU) falls back silently."""
+    if device.type != "cuda":
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(64, 32, device=device, generator=gen).to(dtype)
+        b = torch.randn(32, 48, device=device, generator=gen).to(dtype)
+        acc = torch.randn(64, 48, device=device, generator=gen)
+        want = acc + torch.mm(a.float(), b.float())
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def weight_grad_buffers(weight: torch.Tensor, accum_fp32: bool):
+    """``(grad_w, grad_w_tmp)``: the dW accumulator (fp32 when ``accum_fp32``) and, only where the device cannot
+    add a low-precision matmul into fp32 in place, a scratch of W's size for one chunk's dW."""
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32 if accum_fp32 else weight.dtype, device=weight.device)
+    mixed = accum_fp32 and weight.dtype != torch.float32
+    if mixed and not _addmm_accumulates_in_fp32(weight.device, weight.dtype):
+        return grad_w, torch.empty_like(weight)
+    return grad_w, None
+
+
 def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad_w_tmp, need) -> None:
     """One chunk's share of the input and weight gradients of ``logits = x @ weight.T``: grad_x rows written,
-    grad_w accumulated (through the fp32 scratch ``grad_w_tmp`` when it accumulates in fp32)."""
+    grad_w accumulated (in fp32 inside the matmul where the device can, else through the scratch
+    ``grad_w_tmp``: a W-sized write, read and fp32 read-modify-write more per chunk)."""
     if need[0]:
         torch.mm(dlogits, weight, out=grad_x_chunk)
     if need[1]:
         if grad_w_tmp is not None:
             torch.mm(dlogits.t(), x_chunk, out=grad_w_tmp)
             grad_w.add_(grad_w_tmp)
+        elif grad_w.dtype != dlogits.dtype:
+            torch.addmm(grad_w, dlogits.t(), x_chunk, out_dtype=grad_w.dtype, out=grad_w)
         else:
             grad_w.addmm_(dlogits.t(), x_chunk)
+
 
 def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need, grad_scale=None):
     """Losses (fp32 per row, and z parts) and, when ``need`` asks, gradients for an incoming gradient of 1
@@ -48,9 +83,7 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
     grad_x = torch.empty_like(x) if need[0] else None
     grad_w = grad_w_tmp = grad_b = None
     if need[1]:
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32 if accum_fp32 else weight.dtype, device=x.device)
-        if accum_fp32 and weight.dtype != torch.float32:
-            grad_w_tmp = torch.empty_like(weight)  # one chunk's dW in the weight's dtype, added in fp32
+        grad_w, grad_w_tmp = weight_grad_buffers(weight, accum_fp32)
     if need[2]:
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device)
     losses, z_losses = [], []
@@ -72,7 +105,8 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
         if not compute_grad:
             continue
         dlogits = outs[-1]
-        accumulate_linear_grads(dlogits, xc, weight, grad_x[start:stop], grad_w, grad_w_tmp, need)
+        grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
+        accumulate_linear_grads(dlogits, xc, weight, grad_x_chunk, grad_w, grad_w_tmp, need)
         if need[2]:
             grad_b.add_(dlogits.sum(0, dtype=torch.float32))
     z = torch.cat(z_losses) if z_losses else None
@@ -250,10 +284,18 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``, whatever N). ``ce_weight`` is the class
     weight; the other options are :func:`liger_torch.cross_entropy`'s (same semantics and the same eager,
     host-syncing target check). ``accum_dtype_fp32``: accumulate the weight gradient over chunks in fp32
-    (default: on for bf16/fp16 weights). Loss in x's dtype; the logits chunks are in x's dtype (like an lm_head
+    (default: on for bf16/fp16 weights). Under ``torch.autocast`` x, weight and bias are cast to the autocast
+    dtype first, as ``F.linear`` would. Loss in x's dtype; the logits chunks are in x's dtype (like an lm_head
     output) and upcast to fp32 inside the kernel.
     """
     check_tensors(x=x, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
+    dtype = autocast_dtype(x)
+    if dtype is not None:  # logits in the autocast dtype, as F.linear's; gradients arrive in each input's dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return fused_linear_cross_entropy(
+                x.to(dtype), weight.to(dtype), target, None if bias is None else bias.to(dtype), ce_weight,
+                ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss, chunk_size,
+                accum_dtype_fp32)
     ce_core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                           lse_square_scale=lse_square_scale, softcap=softcap)
     vocab = core.check_inputs(info(x), info(weight), info(target), optional_info(bias), optional_info(ce_weight))

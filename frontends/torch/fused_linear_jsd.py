@@ -12,8 +12,8 @@ from torch import nn
 from liger_core import fused_linear_jsd as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
-from .fused_linear_cross_entropy import scaled_grads, accumulate_linear_grads
+from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
+from .fused_linear_cross_entropy import accumulate_linear_grads, scaled_grads, weight_grad_buffers
 
 
 def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
@@ -30,9 +30,7 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     grad_x = torch.empty_like(xs) if need[0] else None
     grad_w = grad_w_tmp = None
     if need[1]:
-        grad_w = torch.zeros(ws.shape, dtype=torch.float32 if accum_fp32 else ws.dtype, device=xs.device)
-        if accum_fp32 and ws.dtype != torch.float32:
-            grad_w_tmp = torch.empty_like(ws)  # one chunk's dW in the weight's dtype, added in fp32
+        grad_w, grad_w_tmp = weight_grad_buffers(ws, accum_fp32)
     losses = []
     plans = {}
     for start in range(0, n, rows):
@@ -52,7 +50,8 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
         if not compute_grad:
             continue
         dlogits = outs[1].to(xs.dtype)
-        accumulate_linear_grads(dlogits, xc, ws, grad_x[start:stop], grad_w, grad_w_tmp, need)
+        grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
+        accumulate_linear_grads(dlogits, xc, ws, grad_x_chunk, grad_w, grad_w_tmp, need)
     return torch.cat(losses), grad_x, grad_w
 
 
@@ -146,6 +145,12 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     """
     check_tensors(student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
                   teacher_weight=teacher_weight, labels=labels)
+    dtype = autocast_dtype(student_input)
+    if dtype is not None:  # both heads' logits in the autocast dtype, as F.linear's
+        with torch.autocast(student_input.device.type, enabled=False):
+            return fused_linear_jsd(student_input.to(dtype), student_weight.to(dtype), teacher_input.to(dtype),
+                                    teacher_weight.to(dtype), labels, beta, ignore_index, temperature, chunk_size,
+                                    accum_dtype_fp32)
     core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
     vocab = core.check_inputs(info(student_input), info(student_weight), info(teacher_input), info(teacher_weight),
                               optional_info(labels))

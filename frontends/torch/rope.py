@@ -12,9 +12,20 @@ from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
 _HEAD_AXES = {1: 1, -3: 1, 2: 2, -2: 2}
 
 
+def check_positions(position_ids, cos) -> None:
+    """ValueError for a position outside cos/sin's rows, which the kernel would read out of bounds. A host sync
+    (as the cross-entropy's target check), paid only when position ids are given."""
+    if position_ids is None:
+        return
+    n_rows = cos.shape[-2]
+    if not bool(((position_ids >= 0) & (position_ids < n_rows)).all()):
+        raise ValueError(core.invalid_positions_message(n_rows))
+
+
 def _forward(q, k, cos, sin, position_ids, head_axis, interleaved):
     plan = core.forward_plan(info(q), info(k), info(cos), info(sin), optional_info(position_ids),
                              head_axis=head_axis, interleaved=interleaved)
+    check_positions(position_ids, cos)  # after the plan's dtype and shape checks
     return run_plan(plan, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
 
 

@@ -541,9 +541,6 @@ def test_ignore_index_rows_under_torch_compile(fn):
 
 
 # ------------------------------------------------------------ fused losses with a frozen input, trainable head
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="liger_torch's fused chunk loops slice grad_x even when x needs no gradient "
-                          "(grad_x is None: 'NoneType' object is not subscriptable); remove once fixed")
 @pytest.mark.parametrize("fn", ["fused_linear_cross_entropy", "fused_linear_jsd"])
 def test_fused_losses_with_a_frozen_input_and_a_trainable_head(fn):
     """Linear probing / a frozen backbone: only the head's weight requires grad. Its gradient must match the one

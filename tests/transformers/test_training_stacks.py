@@ -126,11 +126,6 @@ def test_partitioned_lm_head_weight_is_a_clear_error(device, seed):
         model.train()(input_ids=ids, labels=labels)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "liger_torch.fused_linear_cross_entropy under torch.autocast: its chunk matmuls (torch.mm/addmm inside the "
-    "autograd Function) are autocast to bf16 while the kernel plan was built for x's dtype (fp32), and "
-    "run_plan fails with 'AssertionError: grad cannot be written over logits: shape or dtype differ' "
-    "(frontends/torch/fused_linear_cross_entropy.py; the HF patched forward works around it in _causal_lm)"))
 def test_fused_linear_cross_entropy_under_autocast(device, seed):
     """Called directly under autocast with an fp32 weight: works, matches F.linear + cross_entropy under the
     same autocast (bf16 logits), and the weight gradient is fp32 (accumulated in fp32 over the chunks)."""

@@ -68,11 +68,20 @@ def _divide(loss, num_items_in_batch):
     return loss / num_items_in_batch
 
 
-def _output(self, outputs, loss, logits, aux_loss, moe: bool, return_dict):
+def _output_fields():
+    """{moe: (output class, its field names)}, read once at import: ``dataclasses.fields`` inside the forward
+    would be a graph break under torch.compile."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    cls = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
-    names = {f.name for f in dataclasses.fields(cls)}
+    return {moe: (cls, frozenset(f.name for f in dataclasses.fields(cls)))
+            for moe, cls in ((False, CausalLMOutputWithPast), (True, MoeCausalLMOutputWithPast))}
+
+
+_OUTPUT_FIELDS = _output_fields()
+
+
+def _output(self, outputs, loss, logits, aux_loss, moe: bool, return_dict):
+    cls, names = _OUTPUT_FIELDS[bool(moe)]
     data = {"loss": loss, "logits": logits}
     if "aux_loss" in names:
         data["aux_loss"] = aux_loss
@@ -160,14 +169,6 @@ def _full_weight(head, weight):
 
 def _head_loss(head, hidden, target, options):
     weight, bias = _full_weight(head, head.weight), head.bias
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        # As lm_head's F.linear under autocast: the logits in the autocast dtype. The kernel's torch matmuls must
-        # not be autocast on their own (their outputs would no longer have x's dtype).
-        dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device, enabled=False):
-            return fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), target,
-                                              bias=None if bias is None else bias.to(dtype), **options)
     return fused_linear_cross_entropy(hidden, weight, target, bias=bias, **options)
 
 
