@@ -2,7 +2,9 @@
 
 - GPU: each launch is a ``jax_triton.triton_call`` (imported lazily; it needs a CUDA jaxlib).
 - CPU (kernels in Triton's interpreter): the whole plan runs in one ``jax.pure_callback``, the arrays handed to
-  ``liger_torch``'s executor as CPU torch tensors (bf16 through a 16-bit view).
+  ``liger_torch``'s executor as CPU torch tensors (bf16 through a 16-bit view). Inside one shard of an SPMD
+  partition (:mod:`liger_jax._sharding`) the same host function runs behind a named CPU custom call instead:
+  a partition's body is lowered into a temporary module, which would lose a ``pure_callback``.
 
 Also the vmap helpers the ops share: ops are ``jax.custom_batching.custom_vmap`` functions whose rules fold a
 batch axis into the kernel's rows instead of looping over examples.
@@ -10,8 +12,15 @@ batch axis into the kernel's rows instead of looping over examples.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import ctypes
 import functools
+import itertools
 import os
+import sys
+import threading
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +135,11 @@ def _to_numpy(tensor):
     return tensor.numpy()
 
 
+# One interpreted plan at a time: the shards of a partitioned op run on several XLA threads, and Triton's
+# interpreter patches module state while a kernel runs.
+_HOST_LOCK = threading.Lock()
+
+
 def _run_interpreted(plan: Plan, inputs) -> tuple[jax.Array, ...]:
     from liger_torch._launch import run_plan as run_plan_torch
 
@@ -134,10 +148,86 @@ def _run_interpreted(plan: Plan, inputs) -> tuple[jax.Array, ...]:
 
     def host(*arrays):
         tensors = {name: _to_torch(a) for name, a in zip(plan.inputs, arrays)}
-        return tuple(_to_numpy(t) for t in run_plan_torch(plan, **tensors))
+        with _HOST_LOCK:
+            return tuple(_to_numpy(t) for t in run_plan_torch(plan, **tensors))
 
-    return jax.pure_callback(host, result_shapes, *(inputs[name] for name in plan.inputs),
-                             vmap_method="sequential")
+    arrays = [inputs[name] for name in plan.inputs]
+    if _IN_PARTITION.get():
+        return _host_custom_call(host, result_shapes, arrays)
+    return jax.pure_callback(host, result_shapes, *arrays, vmap_method="sequential")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU inside a partition: the host function behind a custom call registered once, by name
+#
+# pure_callback registers its function with the module being lowered (an index into its host callbacks). The
+# SPMD partitioner lowers a custom_partitioning body into a temporary module whose callbacks are dropped, so a
+# pure_callback there would call a dangling index (a crash; jax-ml/jax#23620). A custom call found by name and
+# keyed by its backend_config has no such tie. XLA's legacy CPU custom-call API is used through ctypes, as it
+# needs no compiled code; it cannot return an error, so a failing plan prints its traceback and returns NaN.
+
+_IN_PARTITION = contextvars.ContextVar("liger_jax_in_partition", default=False)
+_HOST_TARGET = "liger_jax_interpreted_plan"
+_HOST_CALLS: dict[bytes, tuple] = {}  # backend_config -> (host function, input avals, output avals)
+_HOST_KEYS = itertools.count()
+# void f(void* out, const void** in, const char* opaque, size_t opaque_len, XlaCustomCallStatus* status)
+_HANDLER_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                 ctypes.c_size_t, ctypes.c_void_p)
+_API_VERSION_STATUS_RETURNING_UNIFIED = 3
+
+
+@contextlib.contextmanager
+def partition_body():
+    """Trace a partition's per-shard body: interpreted plans inside become named custom calls."""
+    token = _IN_PARTITION.set(True)
+    try:
+        yield
+    finally:
+        _IN_PARTITION.reset(token)
+
+
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
+
+
+def _host_array(address, aval):
+    if _nbytes(aval) == 0:
+        return np.zeros(aval.shape, aval.dtype)
+    raw = (ctypes.c_char * _nbytes(aval)).from_address(address)
+    return np.frombuffer(raw, dtype=aval.dtype).reshape(aval.shape)
+
+
+def _host_handler(out, ins, opaque, opaque_len, status):
+    del status  # the status setter is not exported by jaxlib
+    key = ctypes.string_at(opaque, opaque_len)
+    host, in_avals, out_avals = _HOST_CALLS[key]
+    addresses = [out] if len(out_avals) == 1 else ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[:len(out_avals)]
+    try:
+        results = host(*(_host_array(ins[i], a) for i, a in enumerate(in_avals)))
+    except BaseException:  # an exception must not unwind into XLA
+        traceback.print_exc(file=sys.stderr)
+        results = [np.full(a.shape, np.nan if jnp.issubdtype(a.dtype, jnp.floating) else -1, a.dtype)
+                   for a in out_avals]
+    for address, aval, result in zip(addresses, out_avals, results):
+        if _nbytes(aval):
+            ctypes.memmove(address, np.ascontiguousarray(result, dtype=aval.dtype).ctypes.data, _nbytes(aval))
+
+
+@functools.lru_cache(maxsize=None)
+def _host_target():
+    handler = _HANDLER_TYPE(_host_handler)  # cached: the function pointer must outlive every executable
+    jax.ffi.register_ffi_target(_HOST_TARGET, jax.ffi.pycapsule(ctypes.cast(handler, ctypes.c_void_p).value),
+                                platform="cpu", api_version=0)
+    return handler
+
+
+def _host_custom_call(host, result_shapes, arrays):
+    _host_target()
+    key = str(next(_HOST_KEYS)).encode()
+    _HOST_CALLS[key] = (host, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays), result_shapes)
+    call = jax.ffi.ffi_call(_HOST_TARGET, result_shapes, custom_call_api_version=_API_VERSION_STATUS_RETURNING_UNIFIED,
+                            legacy_backend_config=key.decode())
+    return tuple(call(*arrays))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 The forward rule computes the loss and d loss / d logits in one kernel (the gradient aliases the logits'
 buffer, so XLA may reuse it when the logits are dead); the backward rule scales it by the cotangent. Called
 without differentiation (the primal), no gradient is computed. Under ``jax.vmap`` each example is one launch
-(``lax.map``): the mean's denominators are per example.
+(``lax.map``): the mean's denominators are per example. Under ``jit`` with sharded inputs the token rows stay
+sharded; a mean divides by the count (or class-weight sum) of the non-ignored labels of all shards, and the
+loss is the sum of the shards' fp32 partial sums (:mod:`liger_jax._sharding`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from liger_core import cross_entropy as core
 
 from ._launch import as_array, info, map_over_batch, run_plan
+from ._sharding import ROWS, WHOLE, partitioned, rows_rule
 
 
 def _mapped_over_batch(fn, n_outputs: int):
@@ -28,27 +31,51 @@ def _mapped_over_batch(fn, n_outputs: int):
     return op
 
 
+def sum_over_shards(rows, shards, dtype):
+    """The fp32 per-row values of this shard summed (fixed order), then over all shards, in ``dtype``."""
+    (total,) = run_plan(core.sum_rows_plan(rows.size, "float32"), rows=rows.reshape(-1))
+    return shards.sum(total).astype(dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_op(options: tuple, has_weight: bool, compute_grad: bool):
     ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss = options
+    kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+              lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+              compute_grad=compute_grad)
 
-    def forward(logits, labels, *weight):
-        plan = core.forward_plan(
-            info(logits), info(labels), info(weight[0]) if has_weight else None, ignore_index=ignore_index,
-            reduction=reduction, label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-            softcap=softcap, return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=True)
-        return run_plan(plan, logits=logits, target=labels, weight=weight[0] if has_weight else None)
+    def forward(logits, labels, *weight, shards=None):
+        w, w_info = (weight[0], info(weight[0])) if has_weight else (None, None)
+        if shards is None or reduction == "none":
+            plan = core.forward_plan(info(logits), info(labels), w_info, in_place=True, **kw)
+            return run_plan(plan, logits=logits, target=labels, weight=w)
+        # One shard of the rows: the mean's denominators over all shards first, then this shard's rows, their
+        # fp32 sums added over the shards.
+        denom = None
+        if reduction == "mean":
+            (denom,) = run_plan(core.denominators_plan(info(labels), w_info, logits.shape[-1], ignore_index),
+                                target=labels, weight=w)
+            denom = shards.sum(denom)
+        plan = core.chunk_plan(info(logits), info(labels), w_info, **kw)
+        outs = run_plan(plan, logits=logits, target=labels, weight=w, denom=denom)
+        sums = tuple(sum_over_shards(rows, shards, logits.dtype) for rows in outs[:1 + int(return_z_loss)])
+        return sums + tuple(outs[1 + int(return_z_loss):])
 
-    return _mapped_over_batch(forward, 1 + int(return_z_loss) + int(compute_grad))
+    # logits, labels, [weight] -> loss, [z_loss], [grad]: per-row losses for 'none', else whole scalars
+    loss_kind = ROWS if reduction == "none" else WHOLE
+    kinds = (loss_kind,) * (1 + int(return_z_loss)) + (ROWS,) * int(compute_grad)
+    rule = rows_rule((ROWS, ROWS, WHOLE)[:2 + has_weight], kinds)
+    return _mapped_over_batch(partitioned(forward, rule), len(kinds))
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_op(reduction: str):
-    def backward(grad, g):
+    def backward(grad, g, shards=None):
         plan = core.backward_plan(info(grad), info(g), reduction=reduction, in_place=True)
         return run_plan(plan, grad=grad, grad_output=g)
 
-    return _mapped_over_batch(backward, 1)
+    rule = rows_rule((ROWS, ROWS if reduction == "none" else WHOLE), (ROWS,))
+    return _mapped_over_batch(partitioned(backward, rule), 1)
 
 
 def _weight_args(weight):

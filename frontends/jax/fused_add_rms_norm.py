@@ -2,28 +2,33 @@
 
 Under ``jax.vmap`` the batch axis is folded into the kernel's rows (one launch, no per-example loop); the
 backward then asks the kernel for one weight gradient per example (``groups``). A batched scale (a different
-scale per example) falls back to one launch per example.
+scale per example) falls back to one launch per example. Under ``jit`` with sharded inputs the rows stay sharded
+and the weight gradient is summed over the shards (:mod:`liger_jax._sharding`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 
 from liger_core import fused_add_rms_norm as core
 
 from ._launch import as_array, broadcast_unbatched, dtype_name, info, map_over_batch, num_sms, optional_info, run_plan
+from ._sharding import ROWS, WHOLE, group_axes, like, partitioned, rows_rule
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_op(epsilon: float, offset: float, casting_mode: str, has_scale: bool):
-    def forward(x, residual, *scale):
+    def forward(x, residual, *scale, shards=None):
         plan = core.forward_plan(info(x), info(residual), info(scale[0]) if has_scale else None, eps=epsilon,
                                  offset=offset, casting_mode=casting_mode)
         return run_plan(plan, x=x, residual=residual, weight=scale[0] if has_scale else None)
 
-    op = jax.custom_batching.custom_vmap(forward)
+    # x, residual, [scale] -> y, h, rstd: rows stay sharded, the scale is whole
+    kinds = (ROWS, ROWS, WHOLE)[:2 + has_scale]
+    op = jax.custom_batching.custom_vmap(partitioned(forward, rows_rule(kinds, (ROWS, ROWS, ROWS))))
 
     @op.def_vmap
     def _fold_batch(axis_size, in_batched, x, residual, *scale):
@@ -36,6 +41,30 @@ def _forward_op(epsilon: float, offset: float, casting_mode: str, has_scale: boo
 
 
 @functools.lru_cache(maxsize=None)
+def _backward_kernel(offset: float, casting_mode: str, has_scale: bool, x_dtype: str, residual_dtype: str,
+                     n_group_axes: int):
+    """``(dy, dh, h, rstd[, scale]) -> (dx[, dresidual][, dscale])``, dscale of shape
+    ``h.shape[:n_group_axes] + (H,)`` (one per example of a folded vmap batch), summed over the shards of the
+    other rows."""
+    separate = x_dtype != residual_dtype
+    n_outputs = 1 + int(separate) + int(has_scale)
+
+    def backward(dy, dh, h, rstd, *scale, shards=None):
+        plan = core.backward_plan(info(dy), info(dh), info(h), info(scale[0]) if has_scale else None,
+                                  x_dtype=x_dtype, residual_dtype=residual_dtype, offset=offset,
+                                  casting_mode=casting_mode, num_sms=num_sms(), in_place=True,
+                                  separate_residual_grad=separate, groups=math.prod(h.shape[:n_group_axes]))
+        grads = run_plan(plan, dy=dy, dh=dh, h=h, rstd=rstd, weight=scale[0] if has_scale else None)
+        if has_scale:
+            grads = tuple(grads[:-1]) + (grads[-1].reshape(h.shape[:n_group_axes] + h.shape[-1:]),)
+        return grads
+
+    kinds = (ROWS, ROWS, ROWS, ROWS, WHOLE)[:4 + has_scale]
+    return partitioned(backward, rows_rule(kinds, (ROWS,) * n_outputs, sums=(n_outputs - 1,) if has_scale else (),
+                                           group_axes=n_group_axes))
+
+
+@functools.lru_cache(maxsize=None)
 def _backward_op(offset: float, casting_mode: str, has_scale: bool, x_dtype: str, residual_dtype: str,
                  groups: int):
     """``(dy, dh, h, rstd[, scale]) -> (dx[, dresidual][, dscale])``; dresidual only when its dtype differs
@@ -44,11 +73,9 @@ def _backward_op(offset: float, casting_mode: str, has_scale: bool, x_dtype: str
     n_outputs = 1 + int(separate) + int(has_scale)
 
     def backward(dy, dh, h, rstd, *scale):
-        plan = core.backward_plan(info(dy), info(dh), info(h), info(scale[0]) if has_scale else None,
-                                  x_dtype=x_dtype, residual_dtype=residual_dtype, offset=offset,
-                                  casting_mode=casting_mode, num_sms=num_sms(), in_place=True,
-                                  separate_residual_grad=separate, groups=groups)
-        return run_plan(plan, dy=dy, dh=dh, h=h, rstd=rstd, weight=scale[0] if has_scale else None)
+        kernel = _backward_kernel(offset, casting_mode, has_scale, x_dtype, residual_dtype,
+                                  group_axes(h.shape, groups) if groups > 1 else 0)
+        return kernel(dy, dh, h, rstd, *scale)
 
     op = jax.custom_batching.custom_vmap(backward)
 
@@ -87,7 +114,7 @@ def _fused_bwd(epsilon, offset, casting_mode, x_dtype, residual_dtype, residuals
         dy, dh, h, rstd, *scale_args)
     dx = grads[0]
     dresidual = grads[1] if x_dtype != residual_dtype else dx
-    return dx, dresidual, (grads[-1] if scale is not None else None)
+    return like((dx, dresidual, grads[-1] if scale is not None else None), (h, h, scale))
 
 
 _fused_add_rms_norm.defvjp(_fused_fwd, _fused_bwd)

@@ -5,6 +5,11 @@ For ``mean``/``sum`` the forward rule computes the gradients chunk by chunk (the
 in the scan carry, fp32 by default for half-precision kernels) and the backward scales them; for ``none`` the
 backward runs the scan again with the per-row cotangent folded into the kernel. The token axis is padded to
 a whole number of chunks with ignored rows (their loss and gradient are 0, and they are dropped).
+
+Under ``jit`` with sharded inputs the loop runs shard by shard on the local tokens (never scanning over a
+sharded axis): the kernel and bias are whole (an FSDP-sharded kernel is gathered), the kernel and bias gradients
+are summed over the shards, and a mean divides by the non-ignored labels of all shards
+(:mod:`liger_jax._sharding`). Under ``jax.vmap`` each example is one loop (``lax.map``): means per example.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
 
 from ._launch import as_array, dtype_name, info, optional_info, run_plan
-from .cross_entropy import check_labels
+from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
+from .cross_entropy import _mapped_over_batch, check_labels, sum_over_shards
 
 
 def _logits(xc, kernel, bias, layout, dtype):
@@ -30,9 +36,10 @@ def _logits(xc, kernel, bias, layout, dtype):
     return logits.astype(dtype)
 
 
-def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_scale=None):
+def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_scale=None, shards=None):
     """Per-row fp32 losses (and z parts), and with ``compute_grad`` the gradients of x, kernel, bias (fp32
-    accumulators for kernel and bias) for an incoming gradient of 1, or of ``grad_scale`` per row."""
+    accumulators for kernel and bias) for an incoming gradient of 1, or of ``grad_scale`` per row. In one shard
+    of the rows (``shards``) a mean's denominators are those of all shards."""
     opts, layout, chunk_size, accum_fp32 = static[:4]
     n, hidden = x.shape
     vocab = kernel.shape[1 if layout == "hv" else 0]
@@ -45,6 +52,8 @@ def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_s
         plan = core.denominators_plan(n, dtype_name(labels.dtype), optional_info(ce_weight), vocab,
                                       opts["ignore_index"])
         (denom,) = run_plan(plan, target=labels, weight=ce_weight)
+        if shards is not None:
+            denom = shards.sum(denom)
     xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n_chunks, rows, hidden)
     ls = jnp.pad(labels, (0, pad), constant_values=opts["ignore_index"]).reshape(n_chunks, rows)
     gs = None if grad_scale is None else jnp.pad(grad_scale, (0, pad)).reshape(n_chunks, rows)
@@ -85,60 +94,111 @@ def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_s
     return losses, z, (grad_x, carry[0], carry[1])
 
 
-def _reduce(rows, reduction, dtype, shape):
-    if reduction == "none":
-        return rows.astype(dtype).reshape(shape)
-    (total,) = run_plan(core.loss_plan(rows.shape[0], dtype_name(dtype)), rows=rows)
+@functools.lru_cache(maxsize=None)
+def _loop_op(static, compute_grad: bool, has_bias: bool, has_ce_weight: bool, has_grad_scale: bool):
+    """``(x (..., H), kernel, labels (...)[, bias][, ce_weight][, grad_scale (...)]) -> (losses (...)[, z (...)]
+    [, grad_x, grad_kernel[, grad_bias]])``: the chunk loop over one shard's tokens (or all of them)."""
+    return_z = static[0]["return_z_loss"]
+
+    def loop(x, kernel, labels, *rest, shards=None):
+        rest = list(rest)
+        bias = rest.pop(0) if has_bias else None
+        ce_weight = rest.pop(0) if has_ce_weight else None
+        grad_scale = rest.pop(0).reshape(-1) if has_grad_scale else None
+        rows, z, grads = _chunk_loop(x.reshape(-1, x.shape[-1]), kernel, labels.reshape(-1), bias, ce_weight,
+                                     static, compute_grad, grad_scale=grad_scale, shards=shards)
+        outs = (rows.reshape(labels.shape),) + ((z.reshape(labels.shape),) if return_z else ())
+        if compute_grad:
+            outs += (grads[0].reshape(x.shape), grads[1]) + ((grads[2],) if has_bias else ())
+        return outs
+
+    operands = (ROWS, WHOLE, ROWS) + (WHOLE,) * (int(has_bias) + int(has_ce_weight)) + (ROWS,) * has_grad_scale
+    results = (ROWS,) * (1 + int(return_z))
+    sums = ()
+    if compute_grad:
+        results += (ROWS,) + (WHOLE,) * (1 + int(has_bias))
+        sums = tuple(range(len(results) - 1 - int(has_bias), len(results)))
+    rule = rows_rule(operands, results, sums=sums)
+    return _mapped_over_batch(partitioned(loop, rule), len(results))
+
+
+def _loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_scale=None):
+    """``(losses, z or None, grads or None)``, each of its row's shape (the labels', x's)."""
+    optional = [a for a in (bias, ce_weight, grad_scale) if a is not None]
+    op = _loop_op(static, compute_grad, bias is not None, ce_weight is not None, grad_scale is not None)
+    outs = list(op(x, kernel, labels, *optional))
+    rows = outs.pop(0)
+    z = outs.pop(0) if static[0]["return_z_loss"] else None
+    if not compute_grad:
+        return rows, z, None
+    return rows, z, (outs[0], outs[1], outs[2] if bias is not None else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _sum_rows_op(dtype: str):
+    """fp32 per-row values (any shape) -> their sum in ``dtype``, summed over the shards of the rows."""
+
+    def total(rows, shards=None):
+        if shards is not None:
+            return (sum_over_shards(rows, shards, dtype),)
+        return run_plan(core.loss_plan(rows.size, dtype), rows=rows.reshape(-1))
+
+    rule = rows_rule((ROWS,), (WHOLE,), n_rows=lambda shapes: len(shapes[0]))
+    return _mapped_over_batch(partitioned(total, rule), 1)
+
+
+def sum_rows(rows, dtype):
+    (total,) = _sum_rows_op(dtype_name(dtype))(rows)
     return total
 
 
-def _flat(x, labels):
-    return x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+def _reduce(rows, reduction, dtype):
+    if reduction == "none":
+        return rows.astype(dtype)
+    return sum_rows(rows, dtype)
 
 
-def _outputs(rows, z, static, dtype, shape):
+def _outputs(rows, z, static, dtype):
     reduction = static[0]["reduction"]
-    loss = _reduce(rows, reduction, dtype, shape)
+    loss = _reduce(rows, reduction, dtype)
     if static[0]["return_z_loss"]:
-        return loss, _reduce(z, reduction, dtype, shape)
+        return loss, _reduce(z, reduction, dtype)
     return loss
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flce(x, kernel, labels, bias, ce_weight, static):
-    x2, l2 = _flat(x, labels)
-    rows, z, _ = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, False)
-    return _outputs(rows, z, static, x.dtype, labels.shape)
+    rows, z, _ = _loop(x, kernel, labels, bias, ce_weight, static, False)
+    return _outputs(rows, z, static, x.dtype)
 
 
 def _flce_fwd(x, kernel, labels, bias, ce_weight, static):
-    x2, l2 = _flat(x, labels)
     if static[0]["reduction"] == "none":
-        rows, z, _ = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, False)
-        return _outputs(rows, z, static, x.dtype, labels.shape), (x, kernel, labels, bias, ce_weight, None)
-    rows, z, grads = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, True)
-    return _outputs(rows, z, static, x.dtype, labels.shape), (None, None, None, None, None, grads)
+        rows, z, _ = _loop(x, kernel, labels, bias, ce_weight, static, False)
+        return _outputs(rows, z, static, x.dtype), (x, kernel, labels, bias, ce_weight, None)
+    rows, z, grads = _loop(x, kernel, labels, bias, ce_weight, static, True)
+    # the kernel and bias (parameters, alive anyway) only for their shardings
+    return _outputs(rows, z, static, x.dtype), (None, kernel, None, bias, None, grads)
 
 
 def _flce_bwd(static, residuals, cotangent):
     g = cotangent[0] if static[0]["return_z_loss"] else cotangent  # z_loss is for logging: cotangent dropped
     x, kernel, labels, bias, ce_weight, grads = residuals
     if grads is None:  # reduction='none': run the loop again, the per-row cotangent folded into the kernel
-        x2, l2 = _flat(x, labels)
-        _, _, (grad_x, grad_w, grad_b) = _chunk_loop(x2, kernel, l2, bias, ce_weight, static, True,
-                                                     grad_scale=g.reshape(-1).astype(x.dtype))
-        x_shape, dtypes = x.shape, (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
+        _, _, (grad_x, grad_w, grad_b) = _loop(x, kernel, labels, bias, ce_weight, static, True,
+                                               grad_scale=g.astype(x.dtype))
+        dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
     else:
         grad_x, grad_w, grad_b = grads
         scale = g.astype(jnp.float32)
         grad_x = grad_x * scale.astype(grad_x.dtype)
         grad_w = grad_w * scale.astype(grad_w.dtype)
         grad_b = None if grad_b is None else grad_b * scale
-        x_shape, dtypes = static[4], static[5]
-    grad_x = grad_x.reshape(x_shape).astype(dtypes[0])
+        dtypes = static[5]
+    grad_x = grad_x.astype(dtypes[0])
     grad_w = grad_w.astype(dtypes[1])
     grad_b = None if grad_b is None else grad_b.astype(dtypes[2])
-    return grad_x, grad_w, None, grad_b, None
+    return like((grad_x, grad_w, None, grad_b, None), (None, kernel, None, bias, None))
 
 
 _flce.defvjp(_flce_fwd, _flce_bwd)

@@ -6,11 +6,17 @@ gradient accumulated in the scan carry, fp32 by default for half-precision kerne
 by the cotangent. The token axis is padded to a whole number of chunks with zero rows (ignored rows when there
 are labels); their losses and hidden-state gradients are dropped, and their kernel-gradient terms are
 ``dz^T @ 0 = 0``.
+
+Under ``jit`` with sharded inputs the loop runs shard by shard on the local tokens: the kernels are whole (an
+FSDP-sharded kernel is gathered), the student kernel's gradient is summed over the shards, and the mean divides
+by the rows (or non-ignored labels) of all shards (:mod:`liger_jax._sharding`). Under ``jax.vmap`` each example
+is one loop (``lax.map``): means per example.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +24,9 @@ import jax.numpy as jnp
 from liger_core import fused_linear_jsd as core
 
 from ._launch import as_array, dtype_name, info, optional_info, run_plan
+from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
+from .cross_entropy import _mapped_over_batch
+from .fused_linear_cross_entropy import sum_rows
 
 
 def _log_probs(xc, kernel, layout, temperature):
@@ -27,11 +36,13 @@ def _log_probs(xc, kernel, layout, temperature):
     return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
 
 
-def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad):
+def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
     """Per-row fp32 losses and, with ``compute_grad``, the gradients of xs and ws (an fp32 accumulator for ws
-    by default) for an incoming gradient of 1."""
+    by default) for an incoming gradient of 1. In one shard of the rows (``shards``) the mean divides by the
+    rows or kept labels of all shards."""
     opts, layout, chunk_size, accum_fp32 = static[:4]
     n = xs.shape[0]
+    n_total = n if shards is None else math.prod(shards.global_shapes[0][:-1])
     vocab = ws.shape[1 if layout == "hv" else 0]
     rows = core.chunk_rows(n, vocab, chunk_size)
     n_chunks = -(-n // rows)
@@ -39,12 +50,14 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad):
     denom = None
     if labels is not None:
         (denom,) = run_plan(core.count_plan(n, dtype_name(labels.dtype), opts["ignore_index"]), labels=labels)
+        if shards is not None:
+            denom = shards.sum(denom)
     xss = jnp.pad(xs, ((0, pad), (0, 0))).reshape(n_chunks, rows, xs.shape[1])
     xts = jnp.pad(xt, ((0, pad), (0, 0))).reshape(n_chunks, rows, xt.shape[1])
     ls = None if labels is None else jnp.pad(labels, (0, pad), constant_values=opts["ignore_index"]).reshape(
         n_chunks, rows)
     plan = core.chunk_plan(rows, vocab, None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
-                           ignore_index=opts["ignore_index"], n_total_rows=n, temperature=opts["temperature"],
+                           ignore_index=opts["ignore_index"], n_total_rows=n_total, temperature=opts["temperature"],
                            compute_grad=compute_grad)
     acc_dtype = jnp.float32 if accum_fp32 else ws.dtype
     temperature = opts["temperature"]
@@ -73,39 +86,51 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad):
     return losses, (ys[1].reshape(-1, xs.shape[1])[:n], carry)
 
 
-def _flat(xs, xt, labels):
-    return (xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]),
-            None if labels is None else labels.reshape(-1))
+@functools.lru_cache(maxsize=None)
+def _loop_op(static, compute_grad: bool, has_labels: bool):
+    """``(xs (..., Hs), ws, xt (..., Ht), wt[, labels (...)]) -> (losses (...)[, grad_xs, grad_ws])``: the
+    chunk loop over one shard's tokens (or all of them)."""
+
+    def loop(xs, ws, xt, wt, *labels, shards=None):
+        lead = xs.shape[:-1]
+        flat_labels = labels[0].reshape(-1) if has_labels else None
+        rows, grads = _chunk_loop(xs.reshape(-1, xs.shape[-1]), ws, xt.reshape(-1, xt.shape[-1]), wt, flat_labels,
+                                  static, compute_grad, shards=shards)
+        outs = (rows.reshape(lead),)
+        if compute_grad:
+            outs += (grads[0].reshape(xs.shape), grads[1])
+        return outs
+
+    operands = (ROWS, WHOLE, ROWS, WHOLE) + (ROWS,) * has_labels
+    results = (ROWS,) + ((ROWS, WHOLE) if compute_grad else ())
+    rule = rows_rule(operands, results, sums=(2,) if compute_grad else ())
+    return _mapped_over_batch(partitioned(loop, rule), len(results))
 
 
-def _total(rows, dtype):
-    (total,) = run_plan(core.loss_plan(rows.shape[0], dtype_name(dtype)), rows=rows)
-    return total
+def _loop(xs, ws, xt, wt, labels, static, compute_grad):
+    op = _loop_op(static, compute_grad, labels is not None)
+    outs = op(xs, ws, xt, wt, *(() if labels is None else (labels,)))
+    return outs[0], (tuple(outs[1:]) if compute_grad else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _fljsd(xs, ws, xt, wt, labels, static):
-    rows, _ = _chunk_loop(*_args(xs, ws, xt, wt, labels), static, False)
-    return _total(rows, xs.dtype)
-
-
-def _args(xs, ws, xt, wt, labels):
-    xs2, xt2, l2 = _flat(xs, xt, labels)
-    return xs2, ws, xt2, wt, l2
+    rows, _ = _loop(xs, ws, xt, wt, labels, static, False)
+    return sum_rows(rows, xs.dtype)
 
 
 def _fljsd_fwd(xs, ws, xt, wt, labels, static):
-    rows, grads = _chunk_loop(*_args(xs, ws, xt, wt, labels), static, True)
-    return _total(rows, xs.dtype), grads
+    rows, grads = _loop(xs, ws, xt, wt, labels, static, True)
+    return sum_rows(rows, xs.dtype), (grads, ws)  # ws (a parameter) only for its sharding
 
 
-def _fljsd_bwd(static, grads, g):
-    grad_x, grad_w = grads
+def _fljsd_bwd(static, residuals, g):
+    (grad_x, grad_w), ws = residuals
     scale = g.astype(jnp.float32)
-    x_shape, dtypes = static[4], static[5]
-    grad_x = (grad_x * scale.astype(grad_x.dtype)).reshape(x_shape).astype(dtypes[0])
+    dtypes = static[5]
+    grad_x = (grad_x * scale.astype(grad_x.dtype)).astype(dtypes[0])
     grad_w = (grad_w * scale.astype(grad_w.dtype)).astype(dtypes[1])
-    return grad_x, grad_w, None, None, None  # the teacher is a constant: zero cotangents
+    return like((grad_x, grad_w), (None, ws)) + (None, None, None)  # the teacher is a constant: zero cotangents
 
 
 _fljsd.defvjp(_fljsd_fwd, _fljsd_bwd)

@@ -2,37 +2,65 @@
 
 The forward rule computes the loss and d loss / d student in one kernel; the backward rule scales that
 gradient by the cotangent. Called without differentiation (the primal), no gradient is computed. Under
-``jax.vmap`` each example is one launch (``lax.map``): the mean is per example.
+``jax.vmap`` each example is one launch (``lax.map``): the mean is per example. Under ``jit`` with sharded
+inputs the rows stay sharded: the mean divides by the rows (or non-ignored labels) of all shards, and the loss
+adds the shards' fp32 partial sums (:mod:`liger_jax._sharding`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 
 from liger_core import jsd as core
+from liger_core.launch import Plan
 
 from ._launch import as_array, info, run_plan
-from .cross_entropy import _mapped_over_batch
+from ._sharding import ROWS, WHOLE, partitioned, rows_rule
+from .cross_entropy import _mapped_over_batch, sum_over_shards
+
+
+def _shard_plan(student, teacher, labels, *, beta, ignore_index, n_total_rows, compute_grad) -> Plan:
+    """One shard's rows: fp32 ``loss_rows`` already divided by the global divisor (input ``denom`` with
+    labels, ``n_total_rows`` without) and the gradient."""
+    launch = core.rows_launch(student, teacher, labels, beta=beta, ignore_index=ignore_index,
+                              n_total_rows=n_total_rows, compute_grad=compute_grad, in_place=False)
+    inputs = ("student", "teacher") + (("labels", "denom") if labels is not None else ())
+    return Plan(inputs=inputs, launches=(launch,), outputs=("loss_rows", "grad")[:1 + int(compute_grad)])
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_op(beta: float, ignore_index: int, has_labels: bool, compute_grad: bool):
-    def forward(student, teacher, *labels):
-        plan = core.forward_plan(info(student), info(teacher), info(labels[0]) if has_labels else None, beta=beta,
-                                 ignore_index=ignore_index, compute_grad=compute_grad)
-        return run_plan(plan, student=student, teacher=teacher, labels=labels[0] if has_labels else None)
+    def forward(student, teacher, *labels, shards=None):
+        labels = labels[0] if has_labels else None
+        l_info = None if labels is None else info(labels)
+        if shards is None:
+            plan = core.forward_plan(info(student), info(teacher), l_info, beta=beta, ignore_index=ignore_index,
+                                     compute_grad=compute_grad)
+            return run_plan(plan, student=student, teacher=teacher, labels=labels)
+        denom = None
+        if labels is not None:  # the kept rows of all shards
+            (denom,) = run_plan(core.count_plan(labels.size, l_info.dtype, ignore_index), labels=labels.reshape(-1))
+            denom = shards.sum(denom)
+        plan = _shard_plan(info(student), info(teacher), l_info, beta=beta, ignore_index=ignore_index,
+                           n_total_rows=math.prod(shards.global_shapes[0][:-1]), compute_grad=compute_grad)
+        outs = run_plan(plan, student=student, teacher=teacher, labels=labels, denom=denom)
+        loss = sum_over_shards(outs[0], shards, core.output_dtype(info(student), info(teacher)))
+        return (loss,) + tuple(outs[1:])
 
-    return _mapped_over_batch(forward, 1 + int(compute_grad))
+    # student, teacher, [labels] -> loss, [grad]
+    rule = rows_rule((ROWS, ROWS, ROWS)[:2 + has_labels], (WHOLE, ROWS)[:1 + int(compute_grad)])
+    return _mapped_over_batch(partitioned(forward, rule), 1 + int(compute_grad))
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_op():
-    def backward(grad, g):
+    def backward(grad, g, shards=None):
         return run_plan(core.backward_plan(info(grad), info(g), in_place=True), grad=grad, grad_output=g)
 
-    return _mapped_over_batch(backward, 1)
+    return _mapped_over_batch(partitioned(backward, rows_rule((ROWS, WHOLE), (ROWS,))), 1)
 
 
 def _label_args(labels):

@@ -1,37 +1,68 @@
-"""KL divergence for jax: ``custom_vjp`` wiring around :mod:`liger_core.kl_div`."""
+"""KL divergence for jax: ``custom_vjp`` wiring around :mod:`liger_core.kl_div`.
+
+Pointwise terms summed: under ``jit`` with sharded inputs every axis may stay sharded (the class axis too); a
+shard sums its terms in fp32, the shards' sums are added, and ``mean`` / ``batchmean`` divide by the global
+size (:mod:`liger_jax._sharding`).
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from liger_core import kl_div as core
-from liger_core.launch import ArrayInfo
+from liger_core.launch import ArrayInfo, Plan
 
 from ._launch import as_array, info, run_plan
-from .cross_entropy import _mapped_over_batch
+from ._sharding import ROWS, WHOLE, partitioned, rows_rule
+from .cross_entropy import _mapped_over_batch, sum_over_shards
+
+# Pointwise terms: every axis is a row axis.
+_POINTWISE = dict(n_rows=lambda shapes: len(shapes[0]))
+
+
+def _global_scale(reduction: str, shape) -> float:
+    """The divisor of a reduction over the whole (unsharded) input, as the kernels apply it."""
+    return {"mean": 1.0 / math.prod(shape), "batchmean": 1.0 / shape[0]}.get(reduction, 1.0)
+
+
+def _rows_only(plan):
+    """The forward plan up to its fp32 per-row sums ``loss_rows`` (the shard adds them up itself)."""
+    return Plan(inputs=plan.inputs, launches=plan.launches[:1], outputs=("loss_rows",))
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_op(reduction: str, log_target: bool):
-    def forward(x, target):
-        return run_plan(core.forward_plan(info(x), info(target), reduction=reduction, log_target=log_target),
-                        input=x, target=target)
+    def forward(x, target, shards=None):
+        if shards is None or reduction == "none":
+            plan = core.forward_plan(info(x), info(target), reduction=reduction, log_target=log_target)
+            return run_plan(plan, input=x, target=target)
+        plan = _rows_only(core.forward_plan(info(x), info(target), reduction="sum", log_target=log_target))
+        (rows,) = run_plan(plan, input=x, target=target)
+        total = sum_over_shards(rows, shards, jnp.float32) * _global_scale(reduction, shards.global_shapes[0])
+        return (total.astype(core.output_dtype(info(x), info(target))),)
 
-    return _mapped_over_batch(forward, 1)
+    rule = rows_rule((ROWS, ROWS), (ROWS if reduction == "none" else WHOLE,), **_POINTWISE)
+    return _mapped_over_batch(partitioned(forward, rule), 1)
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_op(reduction: str, log_target: bool, x_shape: tuple, x_dtype: str):
-    x_info = ArrayInfo.contiguous(x_shape, x_dtype)
-
-    def backward(g, target):
-        plan = core.backward_plan(info(g), x_info, info(target), reduction=reduction, log_target=log_target)
+    def backward(g, target, shards=None):
+        x_info = ArrayInfo.contiguous(target.shape, x_dtype)  # input's shape is target's (this shard's)
+        if shards is None or reduction == "none":
+            plan = core.backward_plan(info(g), x_info, info(target), reduction=reduction, log_target=log_target)
+            return run_plan(plan, grad_output=g, target=target)
+        # One shard: the global divisor folded into the incoming gradient, in fp32.
+        g = g.astype(jnp.float32) * _global_scale(reduction, x_shape)
+        plan = core.backward_plan(info(g), x_info, info(target), reduction="sum", log_target=log_target)
         return run_plan(plan, grad_output=g, target=target)
 
-    return _mapped_over_batch(backward, 1)
+    rule = rows_rule((ROWS if reduction == "none" else WHOLE, ROWS), (ROWS,), n_rows=lambda shapes: len(shapes[1]))
+    return _mapped_over_batch(partitioned(backward, rule), 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -2,28 +2,33 @@
 
 Under ``jax.vmap`` the batch axis is folded into the kernel's rows (one launch, no per-example loop); the
 backward then asks the kernel for one weight gradient per example (``groups``). A batched weight (a different
-scale per example) falls back to one launch per example.
+scale per example) falls back to one launch per example. Under ``jit`` with sharded inputs the rows stay
+sharded and the weight gradient is summed over the shards (:mod:`liger_jax._sharding`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 
 from liger_core import rms_norm as core
 
 from ._launch import as_array, broadcast_unbatched, info, map_over_batch, num_sms, run_plan
+from ._sharding import ROWS, WHOLE, group_axes, like, partitioned, rows_rule
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_op(epsilon: float, offset: float, casting_mode: str, has_scale: bool):
-    def forward(x, *scale):
+    def forward(x, *scale, shards=None):
         plan = core.forward_plan(info(x), info(scale[0]) if has_scale else None, eps=epsilon, offset=offset,
                                  casting_mode=casting_mode)
         return run_plan(plan, x=x, weight=scale[0] if has_scale else None)
 
-    op = jax.custom_batching.custom_vmap(forward)
+    # x, [scale] -> y, rstd: rows stay sharded, the scale is whole
+    op = jax.custom_batching.custom_vmap(
+        partitioned(forward, rows_rule((ROWS, WHOLE)[:1 + has_scale], (ROWS, ROWS))))
 
     @op.def_vmap
     def _fold_batch(axis_size, in_batched, x, *scale):
@@ -36,11 +41,29 @@ def _forward_op(epsilon: float, offset: float, casting_mode: str, has_scale: boo
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_op(offset: float, casting_mode: str, has_scale: bool, groups: int):
-    def backward(dy, x, rstd, *scale):
+def _backward_kernel(offset: float, casting_mode: str, has_scale: bool, n_group_axes: int):
+    """``(dy, x, rstd[, scale]) -> (dx[, dscale])``, dscale of shape ``x.shape[:n_group_axes] + (H,)``: one
+    weight gradient per example of the folded vmap batch, summed over the shards of the other rows."""
+
+    def backward(dy, x, rstd, *scale, shards=None):
+        groups = math.prod(x.shape[:n_group_axes])
         plan = core.backward_plan(info(dy), info(x), info(scale[0]) if has_scale else None, offset=offset,
                                   casting_mode=casting_mode, num_sms=num_sms(), in_place=True, groups=groups)
-        return run_plan(plan, dy=dy, x=x, rstd=rstd, weight=scale[0] if has_scale else None)
+        grads = run_plan(plan, dy=dy, x=x, rstd=rstd, weight=scale[0] if has_scale else None)
+        if has_scale:
+            grads = (grads[0], grads[1].reshape(x.shape[:n_group_axes] + x.shape[-1:]))
+        return grads
+
+    kinds = (ROWS, ROWS, ROWS, WHOLE)[:3 + has_scale]
+    return partitioned(backward, rows_rule(kinds, (ROWS, ROWS)[:1 + has_scale], sums=(1,) if has_scale else (),
+                                           group_axes=n_group_axes))
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_op(offset: float, casting_mode: str, has_scale: bool, groups: int):
+    def backward(dy, x, rstd, *scale):
+        kernel = _backward_kernel(offset, casting_mode, has_scale, group_axes(x.shape, groups) if groups > 1 else 0)
+        return kernel(dy, x, rstd, *scale)
 
     op = jax.custom_batching.custom_vmap(backward)
 
@@ -74,7 +97,7 @@ def _rms_norm_bwd(epsilon, offset, casting_mode, residuals, dy):
     x, scale, rstd = residuals
     scale_args = () if scale is None else (scale,)
     grads = _backward_op(offset, casting_mode, scale is not None, 1)(dy, x, rstd, *scale_args)
-    return (grads[0], grads[1] if scale is not None else None)
+    return like((grads[0], grads[1] if scale is not None else None), (x, scale))
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)

@@ -3,7 +3,9 @@
 q (B, T, H_q, D) and k (B, T, H_kv, D), the layout Flax attention uses; the kernel reads it by strides (no
 transpose). The backward is the same kernel running the transposed rotation; both write over their input
 (``input_output_aliases``: XLA copies first when the input is still needed). Under ``jax.vmap`` the batch axis
-is folded into the kernel's batch: one launch, no loop.
+is folded into the kernel's batch: one launch, no loop. Under ``jit`` with sharded inputs the batch, sequence and
+head axes stay sharded (cos/sin follow the sequence, or stay whole as tables indexed by position_ids; the head
+dimension is whole; :mod:`liger_jax._sharding`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,28 @@ from jax.custom_derivatives import SymbolicZero
 from liger_core import rope as core
 
 from ._launch import as_array, broadcast_unbatched, dtype_name, info, optional_info, run_plan
+from ._sharding import Rule, partitioned
 
 _HEAD_AXIS = 2  # (B, T, H, D)
+
+
+def _rule(operand_shapes, result_shapes) -> Rule:
+    """q (b t hq d), k (b t hk d), cos/sin ([b] t d) or, with position ids ([b] t), tables ([b] s d). A table's
+    batch axis of size 1 (broadcast), its positions s and the head dimension d are whole."""
+    q, cos = operand_shapes[0], operand_shapes[2]
+    has_pos = len(operand_shapes) == 5
+    d = f"w_{q[-1]}"
+
+    def batch(shape, base_ndim):
+        if len(shape) == base_ndim:
+            return ()
+        return ("b",) if shape[0] == q[0] else (f"w1_{shape[0]}",)
+
+    table = batch(cos, 2) + ((f"s_{cos[-2]}",) if has_pos else ("t",)) + (f"e_{q[-1]}",)  # e: no tie to q's d
+    operands = [("b", "t", "hq", d), ("b", "t", "hk", d), table, table]
+    if has_pos:
+        operands.append(batch(operand_shapes[4], 1) + ("t",))
+    return Rule(tuple(operands), (operands[0], operands[1]), frozenset({"b", "t", "hq", "hk"}))
 
 
 def _fold_table(x, batched: bool, axis_size: int, batch: int, base_ndim: int):
@@ -36,7 +58,7 @@ def _fold_table(x, batched: bool, axis_size: int, batch: int, base_ndim: int):
 
 @functools.lru_cache(maxsize=None)
 def _rope_op(interleaved: bool, backward: bool, has_pos: bool, q_dtype: str, k_dtype: str):
-    def run(q, k, cos, sin, *pos):
+    def run(q, k, cos, sin, *pos, shards=None):
         position_ids = pos[0] if has_pos else None
         if backward:
             plan = core.backward_plan(info(q), info(k), info(cos), info(sin), optional_info(position_ids),
@@ -47,7 +69,7 @@ def _rope_op(interleaved: bool, backward: bool, has_pos: bool, q_dtype: str, k_d
                                      head_axis=_HEAD_AXIS, interleaved=interleaved, in_place=True)
         return run_plan(plan, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
 
-    op = jax.custom_batching.custom_vmap(run)
+    op = jax.custom_batching.custom_vmap(partitioned(run, _rule))
 
     @op.def_vmap
     def _fold_batch(axis_size, in_batched, q, k, cos, sin, *pos):

@@ -2,7 +2,8 @@
 
 The backward recomputes the activation and writes da over a and db over b (``input_output_aliases``; XLA
 copies first when a or b is still needed elsewhere, so this is always safe). Elementwise, so ``jax.vmap``
-folds trivially: the batched arrays are the kernel's rows.
+folds trivially: the batched arrays are the kernel's rows; and under ``jit`` every axis may stay sharded (the
+intermediate axis too, as tensor parallelism shards it; :mod:`liger_jax._sharding`).
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ import jax
 from liger_core import swiglu as core
 
 from ._launch import as_array, broadcast_unbatched, info, run_plan
+from ._sharding import ROWS, like, partitioned, rows_rule
+
+# Elementwise: every axis is a row axis.
+_ELEMENTWISE = dict(n_rows=lambda shapes: len(shapes[0]))
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_op(activation: str):
-    def forward(a, b):
-        (c,) = run_plan(core.forward_plan(info(a), info(b), activation=activation), a=a, b=b)
-        return c
+    def forward(a, b, shards=None):
+        return run_plan(core.forward_plan(info(a), info(b), activation=activation), a=a, b=b)
 
-    op = jax.custom_batching.custom_vmap(forward)
+    kernel = partitioned(forward, rows_rule((ROWS, ROWS), (ROWS,), **_ELEMENTWISE))
+    op = jax.custom_batching.custom_vmap(lambda a, b: kernel(a, b)[0])
 
     @op.def_vmap
     def _fold_batch(axis_size, in_batched, a, b):
@@ -33,11 +38,11 @@ def _forward_op(activation: str):
 
 @functools.lru_cache(maxsize=None)
 def _backward_op(activation: str):
-    def backward(dc, a, b):
+    def backward(dc, a, b, shards=None):
         plan = core.backward_plan(info(dc), info(a), info(b), activation=activation, in_place=True)
         return run_plan(plan, dc=dc, a=a, b=b)
 
-    op = jax.custom_batching.custom_vmap(backward)
+    op = jax.custom_batching.custom_vmap(partitioned(backward, rows_rule((ROWS,) * 3, (ROWS, ROWS), **_ELEMENTWISE)))
 
     @op.def_vmap
     def _fold_batch(axis_size, in_batched, dc, a, b):
@@ -57,7 +62,7 @@ def _gated_fwd(a, b, activation):
 
 def _gated_bwd(activation, residuals, dc):
     a, b = residuals
-    return tuple(_backward_op(activation)(dc, a, b))
+    return like(tuple(_backward_op(activation)(dc, a, b)), (a, b))
 
 
 _gated.defvjp(_gated_fwd, _gated_bwd)
