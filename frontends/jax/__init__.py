@@ -1,7 +1,9 @@
 """liger_jax: the JAX frontend of the kernel library (custom_vjp functions; Flax NNX modules in liger_jax.nnx).
 
 On an NVIDIA GPU the kernels launch through ``jax_triton.triton_call``; without one they run in Triton's
-interpreter behind ``jax.pure_callback`` (needs torch, CPU build).
+interpreter behind ``jax.pure_callback`` (needs torch, CPU build). Under ``jax.jit`` with sharded inputs each
+kernel runs shard by shard: rows stay sharded, weights are gathered, weight gradients and losses are summed
+over the shards (``liger_jax._sharding``).
 """
 
 import liger_core

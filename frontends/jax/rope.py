@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from liger_core import rope as core
@@ -115,17 +116,28 @@ def _rope_bwd(interleaved, dtypes, residuals, cts):
 _rope.defvjp(_rope_fwd, _rope_bwd, symbolic_zeros=True)
 
 
+def _check_positions(position_ids, n_rows: int) -> None:
+    """ValueError for a concrete position outside cos/sin's rows. Under ``jit`` (traced ids) nothing can be
+    checked eagerly."""
+    if position_ids is None or isinstance(position_ids, jax.core.Tracer):
+        return
+    values = np.asarray(position_ids)
+    if not ((values >= 0) & (values < n_rows)).all():
+        raise ValueError(core.invalid_positions_message(n_rows))
+
+
 def rope(q, k, cos, sin, *, position_ids=None, interleaved: bool = False):
     """Rotary position embedding of q (B, T, H_q, D) and k (B, T, H_kv, D); returns ``(q_embed, k_embed)``.
 
     cos/sin have shape (T, D) or (1 or B, T, D); with ``position_ids`` ((T,) or (1 or B, T), integer) token
     (b, t) uses row ``position_ids[b, t]`` of cos/sin. ``q * cos + rotate_half(q) * sin`` (HF convention), or
     with ``interleaved`` the GPT-J pairs (2j, 2j+1). Output dtype: q's (k's) promoted with cos's. No gradient
-    flows to cos/sin (an error says so if one is asked for). Works under ``jit``, ``grad``, ``vmap`` and
-    ``checkpoint``."""
+    flows to cos/sin (an error says so if one is asked for). Position ids outside cos/sin's rows raise
+    ValueError when concrete. Works under ``jit``, ``grad``, ``vmap`` and ``checkpoint``."""
     q, k, cos, sin = (as_array(n, x) for n, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)))
     position_ids = None if position_ids is None else as_array("position_ids", position_ids)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
     core.forward_plan(info(q), info(k), info(cos), info(sin), optional_info(position_ids), head_axis=_HEAD_AXIS,
                       interleaved=interleaved)
+    _check_positions(position_ids, core.n_positions(info(cos)))
     return _rope(q, k, cos, sin, position_ids, bool(interleaved), (dtype_name(q.dtype), dtype_name(k.dtype)))
