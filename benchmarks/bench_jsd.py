@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_runner, row_cases, sweep,
-                      torch_pass_runner, unique_shapes)
+from .harness import (TORCH_PROVIDERS, Case, eager_or_compiled, jax_key, jax_runner, row_cases, sweep,
+                      torch_log_prob_pair_maker, unique_shapes)
 
 SHAPES = unique_shapes(sweep({"tokens": 8192}, "vocab", [32000, 65536, 128256, 256000]),
                        sweep({"vocab": 128256}, "tokens", [2048, 4096, 8192, 16384]))
@@ -41,16 +41,7 @@ def _torch_provider(name):
 
 
 def _make_torch(name, n, v, pass_):
-    def make():
-        import torch
-
-        fn = _torch_provider(name)
-        s = torch.randn(n, v, device=device(), dtype=torch.bfloat16).log_softmax(-1)
-        t = torch.randn(n, v, device=device(), dtype=torch.bfloat16).log_softmax(-1)
-        s.requires_grad_(pass_ != "fwd")
-        return torch_pass_runner(lambda a: fn(a, t), (s,), torch.tensor(1.0, device=device()), pass_)
-
-    return make
+    return torch_log_prob_pair_maker(lambda: _torch_provider(name), n, v, pass_)
 
 
 def jax_jsd_formula(s, t, beta=BETA):

@@ -221,13 +221,19 @@ class OpRecorder:
         return compiled
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_module_compiles_in_one_graph_and_matches_eager(case, device, seed):
+def _case_and_eager_result(case, device, seed):
+    """The case's module (random parameters) and inputs on ``device``, its op name, and its eager results."""
     gen = torch.Generator().manual_seed(seed)
     module, inputs, op = CASES[case](gen)
     module = randomize(module, gen).to(device)
     inputs = [t.to(device).detach().requires_grad_(t.requires_grad) for t in inputs]
     eager_out, eager_grads = forward_backward(module, module, clone_inputs(inputs), seed)
+    return module, inputs, op, eager_out, eager_grads
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_module_compiles_in_one_graph_and_matches_eager(case, device, seed):
+    module, inputs, op, eager_out, eager_grads = _case_and_eager_result(case, device, seed)
 
     recorder = OpRecorder()
     compiled = torch.compile(module, backend=recorder, fullgraph=True)  # fullgraph: any graph break raises
@@ -389,11 +395,7 @@ def test_dtensor_input_is_refused_with_the_remedy():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_module_compiles_with_inductor(case, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    module, inputs, op = CASES[case](gen)
-    module = randomize(module, gen).to(device)
-    inputs = [t.to(device).detach().requires_grad_(t.requires_grad) for t in inputs]
-    eager_out, eager_grads = forward_backward(module, module, clone_inputs(inputs), seed)
+    module, inputs, op, eager_out, eager_grads = _case_and_eager_result(case, device, seed)
     compiled = torch.compile(module, backend="inductor", fullgraph=True)
     out, grads = forward_backward(compiled, module, clone_inputs(inputs), seed)
     # inductor fuses and reorders the torch ops around the kernels (matmuls, the cotangent sum): rounding-level

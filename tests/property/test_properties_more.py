@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import liger_jax
 import liger_torch
 from helpers import assert_close, f32, x64
-from test_properties_torch import (DEVICE, DTYPES, HIDDEN, SEEDS, grads, leading_and_layout, leaf, make,
+from test_properties_torch import (DEVICE, DTYPES, HIDDEN, SEEDS, ce_options, grads, leading_and_layout, leaf, make,
                                    ref_leaf)
 from test_cross_entropy_jax import reference as jce_reference
 from test_fused_add_rms_norm_torch import SLACK as FA_SLACK
@@ -221,15 +221,7 @@ def test_jsd(lead, v, dtype, beta, labels, seed):
 @st.composite
 def flce_case(draw):
     n, h, v = draw(st.integers(1, 9)), draw(st.sampled_from([1, 3, 8, 17])), draw(st.sampled_from([1, 2, 7, 31, 97]))
-    ignore_index = draw(st.sampled_from([-100, "in_vocab"]))
-    ignore_index = draw(st.integers(0, v - 1)) if ignore_index == "in_vocab" else ignore_index
-    opts = {
-        "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
-        "ignore_index": ignore_index,
-        "label_smoothing": draw(st.sampled_from([0.0, 0.0, 0.1, 0.37])),
-        "lse_square_scale": draw(st.sampled_from([0.0, 0.0, 1e-3, 1e-2])),
-        "softcap": draw(st.sampled_from([None, None, 3.0, 30.0])),
-    }
+    opts = ce_options(draw, v)
     extra = dict(with_bias=draw(st.booleans()), with_ce_weight=draw(st.booleans()),
                  chunk_size=draw(st.integers(1, 5)), leading_3d=draw(st.booleans()))
     ignored = draw(st.lists(st.booleans(), min_size=n, max_size=n))
@@ -375,15 +367,7 @@ def test_jax_glu(lead, h, dtype, act, seed):
 def jce_case(draw):
     lead = draw(st.sampled_from([(1,), (3,), (7,), (2, 3)]))
     v = draw(st.sampled_from(HIDDEN))
-    ignore_index = draw(st.sampled_from([-100, "in_vocab"]))
-    ignore_index = draw(st.integers(0, v - 1)) if ignore_index == "in_vocab" else ignore_index
-    opts = {
-        "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
-        "ignore_index": ignore_index,
-        "label_smoothing": draw(st.sampled_from([0.0, 0.1, 0.37])),
-        "lse_square_scale": draw(st.sampled_from([0.0, 1e-3, 1e-2])),
-        "softcap": draw(st.sampled_from([None, 3.0, 30.0])),
-    }
+    opts = ce_options(draw, v)
     n = int(np.prod(lead))
     ignored = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     return lead, v, opts, draw(st.booleans()), ignored

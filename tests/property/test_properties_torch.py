@@ -177,21 +177,26 @@ def test_glu(shape, h, dtype, act, seed):
 
 
 # ----------------------------------------------------------------------------------------------- cross_entropy
-@st.composite
-def ce_case(draw):
-    n = draw(st.integers(1, 9))
-    v = draw(st.sampled_from(HIDDEN))
-    layout = draw(st.sampled_from(["contiguous", "offset", "row_slice", "strided_columns", "transposed"]))
-    pad = draw(st.integers(1, 5))
+def ce_options(draw, v: int) -> dict:
+    """The cross-entropy options (every kernel path, the plain one drawn more often) for a vocabulary of v."""
     ignore_index = draw(st.sampled_from([-100, "in_vocab"]))
     ignore_index = draw(st.integers(0, v - 1)) if ignore_index == "in_vocab" else ignore_index
-    opts = {
+    return {
         "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
         "ignore_index": ignore_index,
         "label_smoothing": draw(st.sampled_from([0.0, 0.0, 0.1, 0.37])),
         "lse_square_scale": draw(st.sampled_from([0.0, 0.0, 1e-3, 1e-2])),
         "softcap": draw(st.sampled_from([None, None, 3.0, 30.0])),
     }
+
+
+@st.composite
+def ce_case(draw):
+    n = draw(st.integers(1, 9))
+    v = draw(st.sampled_from(HIDDEN))
+    layout = draw(st.sampled_from(["contiguous", "offset", "row_slice", "strided_columns", "transposed"]))
+    pad = draw(st.integers(1, 5))
+    opts = ce_options(draw, v)
     ignored = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     return n, v, layout, pad, opts, draw(st.booleans()), ignored
 
