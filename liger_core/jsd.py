@@ -271,6 +271,17 @@ def forward_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | Non
     return Plan(inputs=inputs, launches=tuple(launches), outputs=("loss", "grad") if compute_grad else ("loss",))
 
 
+def shard_rows_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None, *, beta: float,
+                    ignore_index: int, n_total_rows: int, compute_grad: bool) -> Plan:
+    """One shard's rows of a row-sharded loss: fp32 ``loss_rows`` already divided by the global divisor (input
+    ``denom`` from :func:`count_plan` over all shards with labels, ``n_total_rows`` without) and, with
+    ``compute_grad``, ``grad``; the caller sums ``loss_rows`` across shards."""
+    launch = rows_launch(student, teacher, labels, beta=beta, ignore_index=ignore_index,
+                         n_total_rows=n_total_rows, compute_grad=compute_grad, in_place=False)
+    inputs = ("student", "teacher") + (("labels", "denom") if labels is not None else ())
+    return Plan(inputs=inputs, launches=(launch,), outputs=("loss_rows", "grad")[:1 + int(compute_grad)])
+
+
 def count_plan(n_rows: int, labels_dtype: str, ignore_index: int) -> Plan:
     """``denom`` (1,) fp32 for the whole (flattened, contiguous) ``labels`` (n_rows,): the mean's divisor
     over many chunks (see :func:`chunk_plan`)."""

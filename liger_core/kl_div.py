@@ -132,6 +132,13 @@ def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", lo
     return Plan(inputs=("input", "target"), launches=tuple(launches), outputs=("loss",))
 
 
+def row_sums_plan(x: ArrayInfo, target: ArrayInfo, *, log_target: bool = False) -> Plan:
+    """The ``sum`` forward up to its fp32 per-row sums ``loss_rows`` (for a row-sharded loss whose shards add
+    them up themselves)."""
+    plan = forward_plan(x, target, reduction="sum", log_target=log_target)
+    return Plan(inputs=plan.inputs, launches=plan.launches[:1], outputs=("loss_rows",))
+
+
 def backward_plan(grad_output: ArrayInfo, x: ArrayInfo, target: ArrayInfo, *, reduction: str,
                   log_target: bool = False) -> Plan:
     """Plan for ``d input``: inputs ``grad_output`` (a scalar, or input's shape for none) and ``target``;

@@ -19,7 +19,6 @@ import functools
 import itertools
 import os
 import sys
-import threading
 import traceback
 
 import jax
@@ -135,11 +134,6 @@ def _to_numpy(tensor):
     return tensor.numpy()
 
 
-# One interpreted plan at a time: the shards of a partitioned op run on several XLA threads, and Triton's
-# interpreter patches module state while a kernel runs.
-_HOST_LOCK = threading.Lock()
-
-
 def _run_interpreted(plan: Plan, inputs) -> tuple[jax.Array, ...]:
     from liger_torch._launch import run_plan as run_plan_torch
 
@@ -148,8 +142,9 @@ def _run_interpreted(plan: Plan, inputs) -> tuple[jax.Array, ...]:
 
     def host(*arrays):
         tensors = {name: _to_torch(a) for name, a in zip(plan.inputs, arrays)}
-        with _HOST_LOCK:
-            return tuple(_to_numpy(t) for t in run_plan_torch(plan, **tensors))
+        # Shards of a partitioned op run on several XLA threads: liger_torch's executor serialises the
+        # interpreted launches themselves (INTERPRETER_LOCK), so nothing more is needed here.
+        return tuple(_to_numpy(t) for t in run_plan_torch(plan, **tensors))
 
     arrays = [inputs[name] for name in plan.inputs]
     if _IN_PARTITION.get():

@@ -15,20 +15,10 @@ import math
 import jax
 
 from liger_core import jsd as core
-from liger_core.launch import Plan
 
 from ._launch import as_array, info, run_plan
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch, sum_over_shards
-
-
-def _shard_plan(student, teacher, labels, *, beta, ignore_index, n_total_rows, compute_grad) -> Plan:
-    """One shard's rows: fp32 ``loss_rows`` already divided by the global divisor (input ``denom`` with
-    labels, ``n_total_rows`` without) and the gradient."""
-    launch = core.rows_launch(student, teacher, labels, beta=beta, ignore_index=ignore_index,
-                              n_total_rows=n_total_rows, compute_grad=compute_grad, in_place=False)
-    inputs = ("student", "teacher") + (("labels", "denom") if labels is not None else ())
-    return Plan(inputs=inputs, launches=(launch,), outputs=("loss_rows", "grad")[:1 + int(compute_grad)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,7 +34,7 @@ def _forward_op(beta: float, ignore_index: int, has_labels: bool, compute_grad: 
         if labels is not None:  # the kept rows of all shards
             (denom,) = run_plan(core.count_plan(labels.size, l_info.dtype, ignore_index), labels=labels.reshape(-1))
             denom = shards.sum(denom)
-        plan = _shard_plan(info(student), info(teacher), l_info, beta=beta, ignore_index=ignore_index,
+        plan = core.shard_rows_plan(info(student), info(teacher), l_info, beta=beta, ignore_index=ignore_index,
                            n_total_rows=math.prod(shards.global_shapes[0][:-1]), compute_grad=compute_grad)
         outs = run_plan(plan, student=student, teacher=teacher, labels=labels, denom=denom)
         loss = sum_over_shards(outs[0], shards, core.output_dtype(info(student), info(teacher)))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from liger_core import kl_div as core
-from liger_core.launch import ArrayInfo, Plan
+from liger_core.launch import ArrayInfo
 
 from ._launch import as_array, info, run_plan
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
@@ -29,18 +29,13 @@ def _global_scale(reduction: str, shape) -> float:
     return {"mean": 1.0 / math.prod(shape), "batchmean": 1.0 / shape[0]}.get(reduction, 1.0)
 
 
-def _rows_only(plan):
-    """The forward plan up to its fp32 per-row sums ``loss_rows`` (the shard adds them up itself)."""
-    return Plan(inputs=plan.inputs, launches=plan.launches[:1], outputs=("loss_rows",))
-
-
 @functools.lru_cache(maxsize=None)
 def _forward_op(reduction: str, log_target: bool):
     def forward(x, target, shards=None):
         if shards is None or reduction == "none":
             plan = core.forward_plan(info(x), info(target), reduction=reduction, log_target=log_target)
             return run_plan(plan, input=x, target=target)
-        plan = _rows_only(core.forward_plan(info(x), info(target), reduction="sum", log_target=log_target))
+        plan = core.row_sums_plan(info(x), info(target), log_target=log_target)
         (rows,) = run_plan(plan, input=x, target=target)
         total = sum_over_shards(rows, shards, jnp.float32) * _global_scale(reduction, shards.global_shapes[0])
         return (total.astype(core.output_dtype(info(x), info(target))),)
