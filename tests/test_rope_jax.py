@@ -221,3 +221,17 @@ def test_bad_input(over, error, match):
     pos = args.pop("position_ids", None)
     with pytest.raises(error, match=match):
         liger_jax.rope(**args, position_ids=pos)
+
+
+def test_traced_out_of_range_position_gives_nan_not_a_stray_read(seed):
+    """Under jit the frontend cannot see the positions: the kernel reads row 0 and NaNs that token's outputs."""
+    rng = np.random.default_rng(seed)
+    q, k = draw(rng, 1, 4, 2, 1, 16, jnp.float32)
+    cos, sin = tables(rng, 1, 6, 16, jnp.float32)
+    good = jnp.asarray([[0, 5, 2, 3]])
+    bad = good.at[0, 1].set(6)  # one past the tables
+    f = jax.jit(lambda p: liger_jax.rope(q, k, cos, sin, position_ids=p))
+    want, got = f(good), f(bad)
+    for w, g in zip(want, got):
+        assert np.isnan(np.asarray(g[:, 1])).all()
+        np.testing.assert_array_equal(np.asarray(g[:, [0, 2, 3]]), np.asarray(w[:, [0, 2, 3]]))
