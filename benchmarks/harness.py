@@ -8,8 +8,11 @@ random inputs and returns a zero-argument callable running the op once.
 
 Timing:
 - torch on a GPU: CUDA events around each repetition, L2 flushed (a 256 MB buffer zeroed) before each one, so
-  inputs that would fit in L2 are never timed hot (what rotating them would achieve); ~25 ms of warm-up, then
-  ~100 ms of repetitions and at least ``min_reps`` of them; all repetition times are kept (median, p20, p80).
+  inputs that would fit in L2 are never timed hot (what rotating them would achieve), and a spin kernel queued
+  before each, so the host enqueues the whole op while the GPU is busy: the time is device time, as in a
+  training step where the host runs ahead (the host time of one call is kept as ``host_ms``: above the device
+  time, an op run alone is launch-bound); ~25 ms of warm-up, then ~100 ms of repetitions and at least
+  ``min_reps`` of them; all repetition times are kept (median, p20, p80).
 - jax: host clock around several queued calls and one ``block_until_ready`` (jax runs on its own stream); inputs
   that fit in L2 are rotated between copies.
 - CPU (``--smoke``: tiny shapes, kernels in Triton's interpreter): host clock, few repetitions. These numbers
@@ -144,19 +147,46 @@ def _reps() -> dict:
     return {"warmup_ms": 25.0, "rep_ms": 100.0, "min_reps": 10, "max_reps": 1000}
 
 
-def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps) -> list[float]:
+def _host_ms(run, n: int = 5) -> float:
+    """Median host time of enqueuing ``run()`` (the GPU idle and drained before each): Python, autograd and
+    launch overhead, plus any host synchronisation inside the op."""
+    torch = _torch()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _sleep_cycles(host_ms: float) -> int:
+    """GPU clock cycles to spin before each timed repetition, so the host has enqueued the whole op before the
+    GPU reaches it: twice its host time (at up to 2 GHz; a lower clock only spins longer), at least 50 us and
+    at most 10 ms (a host time that long is a synchronisation inside the op, which no head start hides)."""
+    return int(min(max(2 * host_ms, 0.05), 10.0) * 2e6)
+
+
+def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps, stats: dict | None = None) -> list[float]:
+    """GPU milliseconds of each repetition: CUDA events around it, L2 flushed before it, and the GPU kept busy
+    (a spin kernel) while the host enqueues it, so the time is the op's device time, not its launch overhead
+    (``stats["host_ms"]`` gets that). An op that synchronises with the host inside still pays for it."""
     torch = _torch()
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     run()  # first call: compilation, autotuning, lazy allocations
     torch.cuda.synchronize()
+    host_ms = _host_ms(run)
+    cycles = _sleep_cycles(host_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
     for _ in range(3):
         flush.zero_()
+        torch.cuda._sleep(cycles)
+        start.record()
         run()
-    end.record()
+        end.record()
     torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / 3, 1e-3)
+    estimate = max(start.elapsed_time(end), 1e-3)
     if estimate > 1000:  # a second per call: a few repetitions are all the time allows
         min_reps = min(min_reps, 3)
     n_warmup = int(warmup_ms / estimate)
@@ -167,10 +197,13 @@ def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps) -> list[float]:
         run()
     for i in range(n_reps):
         flush.zero_()
+        torch.cuda._sleep(cycles)
         starts[i].record()
         run()
         ends[i].record()
     torch.cuda.synchronize()
+    if stats is not None:
+        stats["host_ms"] = round(host_ms, 4)
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
@@ -187,11 +220,12 @@ def _time_host(run, min_reps, max_reps, rep_ms, sync=None) -> list[float]:
     return times
 
 
-def time_torch(run) -> list[float]:
-    """Milliseconds of each repetition of ``run()`` (a torch op)."""
+def time_torch(run, stats: dict | None = None) -> list[float]:
+    """Milliseconds of each repetition of ``run()`` (a torch op); on a GPU, device time (``stats`` gets the host
+    time of one call as ``host_ms``)."""
     reps = _reps()
     if device() == "cuda":
-        return _time_cuda(run, **reps)
+        return _time_cuda(run, stats=stats, **reps)
     return _time_host(run, reps["min_reps"], reps["max_reps"], reps["rep_ms"])
 
 
@@ -263,7 +297,7 @@ def add_floor(point: dict, ceilings: dict) -> None:
         if matmul_rate(ceilings):
             floor = max(floor, point["flops"] / (matmul_rate(ceilings) * 1e9))
     if floor:
-        point["floor_ms"] = round(floor, 5)
+        point["floor_ms"] = float(f"{floor:.4g}")  # significant digits: a tiny (smoke) point's floor is not 0
         frac = floor / median
         point["of_floor"] = round(frac, 3) if frac >= 0.01 else float(f"{frac:.2g}")
 
@@ -274,7 +308,7 @@ def run_case(case: Case, ceilings: dict) -> dict:
     try:
         run = case.make()
         if case.framework == "torch":
-            times = time_torch(run)
+            times = time_torch(run, point)
             peak = torch_peak_extra_mb(run)
         else:
             times = time_jax(run)

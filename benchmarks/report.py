@@ -137,7 +137,8 @@ def kernel_section(kernel: str, points: list[dict], plot: str | None) -> list[st
     if lines[-1] != "":
         lines.append("")
     lines += ["Median ms (fraction of the floor reached); floor = bytes that must move / copy bandwidth, or "
-              "flops / matmul rate, whichever is larger.", ""]
+              "flops / matmul rate, whichever is larger. torch times are device time with the host running ahead "
+              "(as in a training step); the host time of one call is in the last table.", ""]
     lines += _table(["pass", "shape", "floor ms"] + providers,
                     [[pass_, shape, _floor_of(row)] + [_time_cell(row.get(n)) for n in providers]
                      for (pass_, shape), row in rows.items()])
@@ -153,13 +154,14 @@ def kernel_section(kernel: str, points: list[dict], plot: str | None) -> list[st
             long_rows.append([p.get("pass"), p.get("shape"), p.get("dtype"), p.get("provider"), "ok",
                               f"{_fmt_ms(p['median_ms'])} ({_fmt_ms(p['p20_ms'])}-{_fmt_ms(p['p80_ms'])})",
                               p.get("reps", ""), rate.strip(), p.get("floor_ms", ""), p.get("of_floor", ""),
-                              _fmt_mb(p.get("peak_extra_MB"))])
+                              _fmt_mb(p.get("peak_extra_MB")), _fmt_ms(p["host_ms"]) if p.get("host_ms") else ""])
         else:
             long_rows.append([p.get("pass"), p.get("shape"), p.get("dtype"), p.get("provider"), p.get("status"),
-                              "", "", "", "", "", ""])
-    lines += ["", "<details><summary>all points (median, p20-p80)</summary>", ""]
+                              "", "", "", "", "", "", ""])
+    lines += ["", "<details><summary>all points (median, p20-p80; host ms: host time of one call, torch)</summary>",
+              ""]
     lines += _table(["pass", "shape", "dtype", "provider", "status", "median ms (p20-p80)", "reps", "rate",
-                     "floor ms", "of floor", "peak extra MB"], long_rows)
+                     "floor ms", "of floor", "peak extra MB", "host ms"], long_rows)
     lines += ["", "</details>", ""]
     return lines
 

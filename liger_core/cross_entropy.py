@@ -215,13 +215,19 @@ def _scale_rows_kernel(
     G, g_stride,
     n_cols,
     OUT,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
-    """OUT[r, :] = GRAD[r, :] * G[r * g_stride] (g_stride 0: one scalar); OUT may be GRAD itself."""
+    """OUT[r, :] = GRAD[r, :] * G[r * g_stride] (g_stride 0: one scalar); OUT may be GRAD itself (IN_PLACE).
+
+    In place, a row whose incoming gradient is exactly 1 (``loss.backward()`` of a mean or sum) is already
+    right: its loads and stores are masked off, so that common backward moves no bytes."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
     g = tl.load(G + row * g_stride).to(tl.float32)
+    if IN_PLACE:
+        mask = cols < tl.where(g != 1.0, n_cols, 0)
+    else:
+        mask = cols < n_cols
     offs = row * row_stride + cols * col_stride
     v = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + offs, cast(v * g, OUT.dtype.element_ty), mask=mask)
@@ -455,7 +461,8 @@ def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in
             raise ValueError(f"grad_output must be a scalar for reduction={reduction!r}, got {grad_output.shape}")
         g_stride = 0
     dense = col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
-    if in_place and dense:
+    in_place = in_place and dense
+    if in_place:
         out = NewBuffer("dlogits", grad.shape, grad.dtype, alias="grad")
     else:
         out = NewBuffer("dlogits", grad.shape, grad.dtype)
@@ -467,7 +474,7 @@ def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in
         grid=(n_rows, cdiv(n_cols, block)),
         args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), g_stride, n_cols),
         outputs=(out,),
-        constexprs={"BLOCK": block},
+        constexprs={"BLOCK": block, "IN_PLACE": in_place},
         num_warps=warps_for(block, max_warps=8),
     )
     return Plan(inputs=("grad", "grad_output"), launches=(launch,), outputs=("dlogits",))

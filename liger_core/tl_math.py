@@ -9,14 +9,25 @@ the interpreter gives the GPU's results.
 import triton
 import triton.language as tl
 
+from . import runtime
+
+# Compiled kernels convert fp32 to bf16 with the hardware's round-to-nearest-even (cvt.rn, NaN stays NaN); only
+# the interpreter needs the bit-pattern rounding below.
+_INTERPRETED = tl.constexpr(runtime.interpreting())
+
 
 @triton.jit
 def round_to(value, dtype: tl.constexpr):
     """Round fp32 ``value`` to ``dtype`` (round to nearest even) and return it as fp32."""
     if dtype == tl.bfloat16:
-        bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        if _INTERPRETED:
+            bits = value.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            # A NaN's payload can carry into the exponent or the sign bit (0x7FFFFFFF, the GPU's NaN, would
+            # become -0.0): keep NaN as NaN.
+            return tl.where(value != value, value, bits.to(tl.float32, bitcast=True))
+        else:
+            return value.to(tl.bfloat16).to(tl.float32)
     elif dtype == tl.float32:
         return value
     else:

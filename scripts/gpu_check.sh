@@ -20,7 +20,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())"
 status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -q -n 4 -p no:cacheprovider ${LIGER_TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -40
+  timeout "${TEST_TIME_LIMIT:-540}" python3 -m pytest -q -n "${TEST_WORKERS:-4}" -p no:cacheprovider --durations=25 \
+    ${PYTEST_ARGS:-} ${LIGER_TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -60
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -215,14 +215,14 @@ def test_isolated_worker_process(tmp_path):
 
 
 def test_an_older_results_file_is_kept(tmp_path):
-    old = tmp_path / "cpu-2026-01-01.json"
+    old = tmp_path / "test-gpu-2026-01-01.json"
     old.write_text(json.dumps({"environment": {}, "points": []}))  # schema 1: no "schema" key
     harness_env = harness.environment
-    try:
-        harness.environment = lambda: dict(harness_env(), date="2026-01-01", gpu=None)
+    try:  # a fixed GPU name and date (on a GPU machine the runner would otherwise name the file after its GPU)
+        harness.environment = lambda: dict(harness_env(), date="2026-01-01", gpu="Test GPU")
         assert main(["run", "--smoke", "--no-isolate", "--out-dir", str(tmp_path), "--kernels", "jsd",
                      "--match", "torch_eager"]) == 0
     finally:
         harness.environment = harness_env
     assert json.loads(old.read_text()) == {"environment": {}, "points": []}
-    assert json.loads((tmp_path / "cpu-2026-01-01-2.json").read_text())["points"][0]["status"] == "ok"
+    assert json.loads((tmp_path / "test-gpu-2026-01-01-2.json").read_text())["points"][0]["status"] == "ok"

@@ -283,7 +283,8 @@ def test_fused_linear_cross_entropy_none_backward_of_a_sum(device, seed):
     """Regression: ``loss.sum().backward()`` of reduction='none' hands the backward an expanded (stride-0)
     gradient, which the chunk kernel read as contiguous (garbage gradients). Eager, against float64."""
     gen = torch.Generator().manual_seed(seed)
-    x, weight = randn(gen, 2, 7, 16).to(device), randn(gen, 123, 16).to(device)
+    x = randn(gen, 2, 7, 16, grad=False).to(device).requires_grad_()  # leaves on the device, not copies of leaves
+    weight = randn(gen, 123, 16, grad=False).to(device).requires_grad_()
     target = targets(gen, (2, 7), 123).to(device)
     liger_torch.fused_linear_cross_entropy(x, weight, target, reduction="none", chunk_size=4).sum().backward()
     x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()

@@ -101,6 +101,21 @@ def test_matches_optax(dtype, seed):
     assert_close(np.asarray(g.astype(jnp.float32)) * 15, np.asarray(g_ref.astype(jnp.float32)) * 15, dtype, "dx")
 
 
+def test_incoming_gradient_of_exactly_one(seed):
+    """Rows whose incoming gradient is exactly 1 skip the backward's scaling (aliased) pass; the others are
+    scaled: a per-row gradient mixing ones with other values."""
+    logits, labels, _, rng = draw(seed, (7,), 259, jnp.bfloat16)
+    probe = rng.standard_normal(7)
+    probe[[0, 3, 4]] = 1.0
+    probe = jnp.asarray(probe, jnp.float32)
+    f = lambda x: jnp.sum(liger_jax.cross_entropy(x, labels, reduction="none").astype(jnp.float32) * probe)
+    grad = jax.jit(jax.grad(f))(logits)
+    with x64():
+        grad_ref = jax.grad(lambda x: jnp.sum(reference(x, labels, reduction="none")[0] * probe))(
+            logits.astype(jnp.float64))
+    assert_close(np.asarray(grad.astype(jnp.float32)), np.asarray(grad_ref), jnp.bfloat16, "dlogits")
+
+
 def test_vocab_over_several_blocks(seed):
     logits, labels, weight, _ = draw(seed, (3,), 10000, jnp.float32, ignore_fraction=0.0)
     logits = logits.at[1, 9000].set(90.0)  # the row max in the second block: the online softmax rescales

@@ -180,6 +180,27 @@ def test_expanded_incoming_gradient_for_none(device, seed):
     assert_close(x.grad, ref.grad, torch.float32, "dlogits")
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_incoming_gradient_of_exactly_one(reduction, in_place, device, seed):
+    """Rows whose incoming gradient is exactly 1 skip the backward's scaling pass (their gradient is already
+    right): a mean's plain backward(), and a per-row gradient mixing ones with other values."""
+    x, t, _, gen = draw(seed, 7, 259, torch.bfloat16, device=device)
+    if reduction == "none":
+        g = torch.randn(7, generator=gen)
+        g[[0, 3, 4]] = 1.0
+    else:
+        g = torch.tensor(1.0)
+    g = g.to(device, torch.bfloat16)
+    fn = lambda a, b: liger_torch.cross_entropy(a, b, reduction=reduction, label_smoothing=0.1, in_place=in_place)
+    loss, dx = run(fn, x, t, g)
+    loss_ref, dx_ref = run(lambda a, b: reference(a, b, reduction=reduction, label_smoothing=0.1)[0], x, t,
+                           g.double())
+    assert_close(loss, loss_ref, torch.bfloat16, "loss")
+    scale = 7 if reduction == "mean" else 1.0
+    assert_close(dx * scale, dx_ref * scale, torch.bfloat16, "dlogits")
+
+
 @pytest.mark.parametrize("layout", ["row_slice", "transposed"])
 def test_non_contiguous_logits(layout, device, seed):
     gen = torch.Generator().manual_seed(seed)

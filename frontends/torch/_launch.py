@@ -59,12 +59,10 @@ def _dtensor_type():
 
 def check_tensors(**tensors: torch.Tensor | None) -> torch.device:
     """Type and device checks for an op's tensor arguments (None allowed); returns the common device."""
-    device = None
-    first = None
+    tensors = {name: t for name, t in tensors.items() if t is not None}
     dtensor = _dtensor_type()
+    # Types first, so a DTensor gets its remedy rather than a complaint about its (mesh's) device.
     for name, t in tensors.items():
-        if t is None:
-            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if dtensor is not None and isinstance(t, dtensor):
@@ -73,6 +71,9 @@ def check_tensors(**tensors: torch.Tensor | None) -> torch.device:
                              f"{name}.to_local() (this rank's shard, where the op is applied shard by shard); "
                              "with FSDP2 (fully_shard), call the kernels inside the module's forward, where its "
                              "parameters are unsharded")
+    device = None
+    first = None
+    for name, t in tensors.items():
         if liger_core.INTERPRET:
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}, but the kernels run in Triton's interpreter on the "

@@ -137,11 +137,20 @@ def _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, n
     return loss, z_loss, (grad_x, grad_w, grad_b), x2, t
 
 
-def scaled_grads(grads, need, grad_loss, in_place):
-    """mean/sum backward: the forward's gradients times the incoming scalar (None where ``need`` says no)."""
+def scaled_grads(grads, need, grad_loss, dtypes, in_place):
+    """mean/sum backward: the forward's gradients times the incoming scalar, in the inputs' ``dtypes`` (None
+    where ``need`` says no). An fp32 accumulator (grad_W, grad_b) is scaled and rounded to its parameter's
+    dtype in one pass (one read of it, one write of the result) instead of a scale and then a cast."""
     g = grad_loss.to(torch.float32)
-    return tuple((grad.mul_(g.to(grad.dtype)) if in_place else grad * g.to(grad.dtype)) if flag else None
-                 for flag, grad in zip(need, grads))
+    out = []
+    for flag, grad, dtype in zip(need, grads, dtypes):
+        if not flag:
+            out.append(None)
+        elif grad.dtype != dtype:
+            out.append(torch.mul(grad, g, out=torch.empty(grad.shape, dtype=dtype, device=grad.device)))
+        else:
+            out.append(grad.mul_(g.to(grad.dtype)) if in_place else grad * g.to(grad.dtype))
+    return tuple(out)
 
 
 def _backward_none(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32, need, grad_loss, x_shape):
@@ -160,6 +169,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         loss, z_loss, grads, x2, t = _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need)
         ctx.opts, ctx.chunk_size, ctx.accum_fp32, ctx.need = opts, chunk_size, accum_fp32, need
         ctx.x_shape = x.shape
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (x, weight, bias))
         ctx.backward_done = False
         if opts["reduction"] != "none":
             ctx.grads = grads
@@ -177,7 +187,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
                                "not supported (the gradients computed in the forward are released)")
         ctx.backward_done = True
         if ctx.opts["reduction"] != "none":
-            grads = scaled_grads(ctx.grads, ctx.need, grad_loss, in_place=True)
+            grads = scaled_grads(ctx.grads, ctx.need, grad_loss, ctx.dtypes, in_place=True)
             del ctx.grads
         else:
             grads = _backward_none(*ctx.saved_tensors, ctx.opts, ctx.chunk_size, ctx.accum_fp32, ctx.need, grad_loss,
@@ -238,7 +248,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_fn(ctx, grad_loss, *_):
     if ctx.opts["reduction"] != "none":
-        grads = scaled_grads(ctx.saved_tensors, ctx.need, grad_loss, in_place=False)
+        grads = scaled_grads(ctx.saved_tensors, ctx.need, grad_loss, ctx.dtypes, in_place=False)
     else:
         grads = backward_op(*ctx.saved_tensors, grad_loss, *ctx.options)
     # the op's fp32 accumulators, cast to the parameters' dtypes (as autograd does for the eager Function)

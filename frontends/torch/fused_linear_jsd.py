@@ -70,7 +70,7 @@ class LigerFusedLinearJSDFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
         loss, ctx.grads = _forward(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need)
-        ctx.need = need
+        ctx.need, ctx.dtypes = need, (xs.dtype, ws.dtype)
         ctx.backward_done = False
         return loss
 
@@ -80,8 +80,7 @@ class LigerFusedLinearJSDFunction(torch.autograd.Function):
             raise RuntimeError("liger_torch.fused_linear_jsd: backward through the same loss twice is not "
                                "supported (the gradients computed in the forward are released)")
         ctx.backward_done = True
-        # fp32 accumulators are cast to the parameters' dtypes by autograd
-        dx, dw = scaled_grads(ctx.grads, ctx.need, grad_loss, in_place=True)
+        dx, dw = scaled_grads(ctx.grads, ctx.need, grad_loss, ctx.dtypes, in_place=True)
         del ctx.grads
         return dx, dw, None, None, None, None, None, None, None
 
@@ -113,9 +112,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward_fn(ctx, grad_loss, *_):
-    grads = scaled_grads(ctx.saved_tensors, ctx.need, grad_loss, in_place=False)
-    # the op's fp32 accumulators, cast to the parameters' dtypes (as autograd does for the eager Function)
-    dx, dw = (grad.to(dtype) if flag else None for flag, grad, dtype in zip(ctx.need, grads, ctx.dtypes))
+    dx, dw = scaled_grads(ctx.saved_tensors, ctx.need, grad_loss, ctx.dtypes, in_place=False)
     return (dx, dw) + (None,) * 10
 
 

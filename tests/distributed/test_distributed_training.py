@@ -24,7 +24,13 @@ DEADLINE_S = 300  # the runs take 10-20 s on 2 idle cores
 GRACE_S = 15
 F32 = torch.float32
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+_NUMPY = tuple(int(part) for part in __import__("numpy").__version__.split(".")[:2])
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
+    # The ranks run the kernels in Triton's interpreter, which numpy >= 2.4 breaks (Triton 3.6: loops with
+    # runtime bounds); scripts/setup.sh pins numpy below 2.4, the GPU image has a newer one.
+    pytest.mark.skipif(_NUMPY >= (2, 4), reason="Triton 3.6's interpreter needs numpy < 2.4 (the CPU suite has it)"),
+]
 
 
 def launch(stacks, tmp_path, seed):
