@@ -147,12 +147,18 @@ def _reps() -> dict:
     return {"warmup_ms": 25.0, "rep_ms": 100.0, "min_reps": 10, "max_reps": 1000}
 
 
+def _prepare(run) -> Callable[[], None]:
+    """The runner's untimed set-up for a repetition (restoring inputs an op writes into), or a no-op."""
+    return getattr(run, "prepare", None) or (lambda: None)
+
+
 def _host_ms(run, n: int = 5) -> float:
     """Median host time of enqueuing ``run()`` (the GPU idle and drained before each): Python, autograd and
     launch overhead, plus any host synchronisation inside the op."""
     torch = _torch()
     times = []
     for _ in range(n):
+        _prepare(run)()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         run()
@@ -173,13 +179,16 @@ def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps, stats: dict | None = 
     (a spin kernel) while the host enqueues it, so the time is the op's device time, not its launch overhead
     (``stats["host_ms"]`` gets that). An op that synchronises with the host inside still pays for it."""
     torch = _torch()
+    prepare = _prepare(run)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    prepare()
     run()  # first call: compilation, autotuning, lazy allocations
     torch.cuda.synchronize()
     host_ms = _host_ms(run)
     cycles = _sleep_cycles(host_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
+        prepare()
         flush.zero_()
         torch.cuda._sleep(cycles)
         start.record()
@@ -194,8 +203,10 @@ def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps, stats: dict | None = 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_reps)]
     for _ in range(n_warmup):
+        prepare()
         run()
     for i in range(n_reps):
+        prepare()
         flush.zero_()
         torch.cuda._sleep(cycles)
         starts[i].record()
@@ -209,10 +220,13 @@ def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps, stats: dict | None = 
 
 def _time_host(run, min_reps, max_reps, rep_ms, sync=None) -> list[float]:
     sync = sync or (lambda out: None)
+    prepare = _prepare(run)
+    prepare()
     sync(run())
     times = []
     total = 0.0
     while len(times) < min_reps or (total < rep_ms and len(times) < max_reps):
+        prepare()
         t0 = time.perf_counter()
         sync(run())
         times.append((time.perf_counter() - t0) * 1e3)
@@ -256,6 +270,7 @@ def torch_peak_extra_mb(run) -> float | None:
     torch = _torch()
     if device() != "cuda":
         return None
+    _prepare(run)()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -573,14 +588,30 @@ def eager_or_compiled(name, eager):
 
 def torch_fwd_bwd(fn, inputs, grad):
     """Runner for forward + backward of ``fn(*inputs)`` against a fixed output gradient (a tuple of them where
-    ``fn`` returns a tuple)."""
+    ``fn`` returns a tuple).
+
+    The gradients are taken with ``torch.autograd.grad``, not accumulated into ``.grad``: in a model, dx flows
+    to the previous layer, while AccumulateGrad on a held leaf copies a gradient that aliases a held tensor (ops
+    that write dx over dy, ours and Liger-Kernel's, would pay a copy no training step pays). Ops that write into
+    their inputs or into the output gradient get them back before each repetition (``run.prepare``, called
+    outside the timed region)."""
     import torch
 
-    def run():
-        for t in inputs:
-            t.grad = None
-        torch.autograd.backward(fn(*inputs), grad)
+    grads = tuple(grad) if isinstance(grad, (tuple, list)) else (grad,)
+    held = [t for t in (*inputs, *grads) if isinstance(t, torch.Tensor)]
+    originals = [t.detach().clone() for t in held]
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
+    def prepare():
+        with torch.no_grad():
+            for t, original in zip(held, originals):
+                t.copy_(original)
+
+    def run():
+        outputs = fn(*inputs)
+        torch.autograd.grad(outputs, wrt, grads if isinstance(outputs, (tuple, list)) else grads[0])
+
+    run.prepare = prepare
     return run
 
 

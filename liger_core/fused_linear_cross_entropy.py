@@ -17,9 +17,12 @@ from __future__ import annotations
 from . import cross_entropy as ce
 from .launch import ArrayInfo, ITEMSIZE, Plan, check_float, check_nonempty, next_power_of_2
 
-# Bytes of chunk logits (in the activations' dtype) the loop may hold at once: 256 MiB is 1024 rows of a
+# Bytes of chunk logits (in the activations' dtype) the loop may hold at once: 512 MiB is 2048 rows of a
 # 128256-token vocabulary in bf16; torch's fp32 weight-gradient accumulation adds one weight-sized buffer.
-DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+# Measured on an H200 at N=8192, H=4096, V=128256 (scripts/tune_flce.py, docs/perf-notes.md): 1024-row chunks
+# 44.1 ms, 2048 41.8, 4096 39.7 (matmul floor 36.6); peak extra memory 3.07 GB up to 2048 rows (the fp32 dW
+# accumulator and its bf16 result dominate), 4.07 GB at 4096.
+DEFAULT_WORKSPACE_BYTES = 512 * 2**20
 # Chunks are rounded down to a multiple of this many rows (matmul tiles) when they hold more.
 _ROW_QUANTUM = 64
 LAYOUTS = ("vh", "hv")

@@ -20,16 +20,16 @@ from . import fused_linear_cross_entropy as flce
 from . import jsd
 from .launch import ArrayInfo, Plan, as_real
 
-# A chunk holds two fp32 (rows, V) log-probability buffers (student and teacher): each gets half of the
-# fused linear cross-entropy's logits workspace.
-WORKSPACE_BYTES = flce.DEFAULT_WORKSPACE_BYTES // 2
+# A chunk holds two fp32 (rows, V) log-probability buffers (student and teacher), 128 MiB each (256 rows of a
+# 128256-token vocabulary); not tuned on a GPU yet (the cross-entropy's workspace was, to 512 MiB).
+WORKSPACE_BYTES = 128 * 2**20
 LAYOUTS = flce.LAYOUTS
 accumulate_in_fp32 = flce.accumulate_in_fp32
 
 
 def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None = None) -> int:
-    """Rows per chunk: ``chunk_size`` if given, else as many as fit two fp32 (rows, V) buffers in
-    :data:`liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES` (its chunk-size logic)."""
+    """Rows per chunk: ``chunk_size`` if given, else as many as fit one fp32 (rows, V) buffer in
+    :data:`WORKSPACE_BYTES` (the fused linear cross-entropy's chunk-size logic)."""
     return flce.chunk_rows(n_rows, vocab, "float32", chunk_size, workspace_bytes=WORKSPACE_BYTES)
 
 

@@ -226,3 +226,31 @@ def test_an_older_results_file_is_kept(tmp_path):
         harness.environment = harness_env
     assert json.loads(old.read_text()) == {"environment": {}, "points": []}
     assert json.loads((tmp_path / "test-gpu-2026-01-01-2.json").read_text())["points"][0]["status"] == "ok"
+
+
+def test_fwd_bwd_runner_restores_what_an_op_overwrites_and_accumulates_nothing():
+    """An op that writes its gradient over its input and over the incoming gradient (as the in-place kernels do)
+    is timed on the original values every repetition, and no ``.grad`` is accumulated (no AccumulateGrad copy)."""
+    import torch
+
+    class InPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = x * 2
+            x.detach().mul_(-1)  # writes over its input, behind autograd's back
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.mul_(2)  # writes dx over dy
+
+    x = torch.randn(5, 3, requires_grad=True)
+    g = torch.randn(5, 3)
+    x0, g0 = x.detach().clone(), g.clone()
+    run = harness.torch_fwd_bwd(InPlace.apply, (x,), g)
+    for _ in range(3):
+        run.prepare()
+        assert torch.equal(x.detach(), x0) and torch.equal(g, g0)
+        run()
+        assert not torch.equal(x.detach(), x0) and not torch.equal(g, g0)
+    assert x.grad is None

@@ -133,9 +133,9 @@ def test_second_backward_is_refused(device, seed):
 
 def test_chunk_size_is_a_bounded_workspace():
     rows = liger_core.fused_linear_jsd.chunk_rows
-    # two fp32 (rows, V) buffers in liger_core.fused_linear_cross_entropy's workspace
+    # two fp32 (rows, V) buffers of liger_core.fused_linear_jsd.WORKSPACE_BYTES each
     assert rows(8192, 128256) == rows(10**6, 128256) == 256
-    assert 2 * 256 * 128256 * 4 <= liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES
+    assert 256 * 128256 * 4 <= liger_core.fused_linear_jsd.WORKSPACE_BYTES
     assert rows(100, 128256) == 100
     assert rows(50, 10, chunk_size=8) == 8
 

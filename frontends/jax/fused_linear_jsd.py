@@ -148,7 +148,7 @@ def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kerne
     ``nnx.Embed.embedding``), used as ``x @ kernel.T``. Each kernel has its input's dtype. ``labels``, ``beta``
     and ``ignore_index`` as in :func:`liger_jax.jsd` (mean over non-ignored rows); not multiplied by
     ``temperature**2``. Tokens go through a ``lax.scan`` in chunks of ``chunk_size`` rows (default: two fp32
-    (rows, V) buffers within ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``).
+    (rows, V) buffers of ``liger_core.fused_linear_jsd.WORKSPACE_BYTES`` each).
     ``accum_dtype_fp32``: accumulate the student kernel's gradient in fp32 (default: on for bf16/fp16
     kernels). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_kernel``; the
     teacher is a constant (zero cotangents).

@@ -82,7 +82,9 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
         dlogits = _backward(grad, grad_loss, ctx.reduction, in_place=True)
-        return dlogits, None, None, None, None, None, None, None, None, None, None
+        # In place, ``grad`` is the logits tensor itself; a leaf's AccumulateGrad would copy a gradient that is
+        # that (widely referenced) tensor, but takes a fresh alias of the same memory as it is.
+        return dlogits.detach(), None, None, None, None, None, None, None, None, None, None
 
 
 # torch.compile path (see _custom_ops): the same helpers as custom ops, never in place. Outputs: the loss, the

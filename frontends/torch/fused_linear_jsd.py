@@ -133,8 +133,8 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     ``student_input`` (..., Hs) with ``student_weight`` (V, Hs); ``teacher_input`` (..., Ht) with the same
     leading shape and ``teacher_weight`` (V, Ht); each head in its input's dtype. ``labels`` (...), ``beta`` and
     ``ignore_index`` as in :func:`liger_torch.jsd` (mean over non-ignored rows). The loss is not multiplied by
-    ``temperature**2``. Tokens go through in chunks of ``chunk_size`` rows (default: two fp32 (rows, V) buffers
-    within ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``); the logits are in the inputs'
+    ``temperature**2``. Tokens go through in chunks of ``chunk_size`` rows (default: two fp32 (rows, V) buffers of
+    ``liger_core.fused_linear_jsd.WORKSPACE_BYTES`` each); the logits are in the inputs'
     dtypes (as an lm_head's output) and their log-softmax in fp32. ``accum_dtype_fp32``: accumulate the
     student weight's gradient over chunks in fp32 (default: on for bf16/fp16 weights). Loss in the student's
     dtype. Differentiable in ``student_input`` and ``student_weight``; the teacher is a constant, and a teacher
