@@ -154,3 +154,76 @@ def test_bad_input(a, b, error, match):
         liger_jax.geglu(a, b)
     with pytest.raises(ValueError, match="approximate"):
         liger_jax.geglu(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32), approximate="erf")
+
+
+LINEAR_ACTS = {
+    "swiglu": (liger_jax.swiglu_linear, ACTS["swiglu"][1]),
+    "geglu_tanh": (lambda a, b, k, bias=None: liger_jax.geglu_linear(a, b, k, bias), ACTS["geglu_tanh"][1]),
+    "geglu_erf": (lambda a, b, k, bias=None: liger_jax.geglu_linear(a, b, k, bias, approximate="none"),
+                  ACTS["geglu_erf"][1]),
+}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act", list(LINEAR_ACTS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gated_linear_forward_and_grads(dtype, act, bias, seed):
+    """swiglu_linear / geglu_linear (Flax (I, O) kernel layout): the output and the gradients of a, b, the
+    kernel and the bias. fp32 against float64. bf16 against the unfused ``gate(a, b) @ kernel + bias`` in bf16:
+    XLA's CPU matmul rounds bf16 partial sums (errors of ~0.1 on sums of six products of magnitude ~10 were
+    seen against float64 for both), so float64 would test XLA's CPU dot, not this op; the gate kernel itself
+    is checked against float64 above."""
+    ours, ref = LINEAR_ACTS[act]
+    rng = np.random.default_rng(seed)
+    a, b, _ = draw(seed, (2, 3, 123), dtype)
+    kernel = jnp.asarray(rng.standard_normal((123, 37)) / 11, dtype)
+    bb = jnp.asarray(rng.standard_normal(37), dtype) if bias else None
+    probe = jnp.asarray(rng.standard_normal((2, 3, 37)), jnp.float32)
+
+    def loss(f, *args):
+        return jnp.sum(f(*args).astype(jnp.float32) * probe)
+
+    args = (a, b, kernel) + ((bb,) if bias else ())
+    argnums = tuple(range(len(args)))
+    y = jax.jit(ours)(*args)
+    grads = jax.jit(jax.grad(lambda *t: loss(ours, *t), argnums=argnums))(*args)
+    if dtype == jnp.float32:
+        with x64():
+            def ref_linear(x, y_, k, *rest):
+                out = ref(x, y_) @ k
+                return out + rest[0] if rest else out
+
+            args64 = tuple(t.astype(jnp.float64) for t in args)
+            y_ref = ref_linear(*args64)
+            grads_ref = jax.grad(lambda *t: jnp.sum(ref_linear(*t) * probe), argnums=argnums)(*args64)
+    else:
+        gate = {"swiglu": liger_jax.swiglu, "geglu_tanh": liger_jax.geglu,
+                "geglu_erf": lambda x, y_: liger_jax.geglu(x, y_, approximate="none")}[act]
+
+        def unfused(x, y_, k, *rest):
+            out = gate(x, y_) @ k
+            return out + rest[0] if rest else out
+
+        y_ref = jax.jit(unfused)(*args)
+        grads_ref = jax.jit(jax.grad(lambda *t: loss(unfused, *t), argnums=argnums))(*args)
+        y_ref, grads_ref = y_ref.astype(jnp.float32), [g.astype(jnp.float32) for g in grads_ref]
+    assert y.dtype == dtype
+    assert_close(np.asarray(y.astype(jnp.float32)), np.asarray(y_ref), dtype, "y", scale=4.0)
+    for got, want, name in zip(grads, grads_ref, ("da", "db", "dkernel", "dbias")):
+        assert got.dtype == dtype, name
+        assert_close(np.asarray(got.astype(jnp.float32)), np.asarray(want), dtype, name, scale=4.0)
+
+
+def test_gated_linear_keeps_a_and_b_but_not_the_product(seed):
+    """The residuals the backward keeps: a and b (and the kernel), not the (N, I) product that
+    ``swiglu(a, b) @ kernel`` keeps; the nnx MLPs use the same path."""
+    from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
+
+    a, b, _ = draw(seed, (5, 96), jnp.float32)
+    kernel = jnp.ones((96, 16), jnp.float32)
+
+    def n_activations(f):
+        return sum(1 for aval, _ in saved_residuals(f, a, b, kernel) if tuple(aval.shape) == (5, 96))
+
+    assert n_activations(lambda x, y, k: jnp.sum(liger_jax.swiglu_linear(x, y, k))) == 2
+    assert n_activations(lambda x, y, k: jnp.sum(liger_jax.swiglu(x, y) @ k)) == 3

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import liger_torch
-from helpers import assert_close
+from helpers import TOLERANCES, assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 64), (7, 123), (2, 3, 123)]
@@ -189,3 +189,137 @@ def test_bad_input_raises_before_launch(bad, error, match, device):
 def test_bad_approximate(device):
     with pytest.raises(ValueError, match="approximate"):
         liger_torch.geglu(torch.randn(2, 8, device=device), torch.randn(2, 8, device=device), approximate="erf")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# swiglu_linear / geglu_linear: the gate and the down projection, the product recomputed in the backward
+
+LINEAR_ACTS = {
+    "swiglu": (liger_torch.swiglu_linear, lambda a, b: F.silu(a) * b),
+    "geglu_tanh": (lambda a, b, w, bias=None, **kw: liger_torch.geglu_linear(a, b, w, bias, "tanh", **kw),
+                   lambda a, b: F.gelu(a, approximate="tanh") * b),
+    "geglu_erf": (lambda a, b, w, bias=None, **kw: liger_torch.geglu_linear(a, b, w, bias, "none", **kw),
+                  lambda a, b: F.gelu(a) * b),
+}
+
+
+def _linear_case(shape, out_features, dtype, device, gen, bias):
+    a = (torch.randn(shape, generator=gen) * 3).to(device, dtype)
+    b = torch.randn(shape, generator=gen).to(device, dtype)
+    w = (torch.randn(out_features, shape[-1], generator=gen) * shape[-1] ** -0.5).to(device, dtype)
+    bb = torch.randn(out_features, generator=gen).to(device, dtype) if bias else None
+    g = torch.randn(*shape[:-1], out_features, generator=gen).to(device, dtype)
+    return a, b, w, bb, g
+
+
+def _linear_grads(fn, tensors, g, cast=lambda t: t.clone()):
+    leaves = [None if t is None else cast(t.detach()).requires_grad_(True) for t in tensors]
+    y = fn(*leaves)
+    y.backward(cast(g))
+    return [y] + [None if t is None else t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 123)])
+@pytest.mark.parametrize("act", list(LINEAR_ACTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_linear_forward_backward(dtype, act, shape, bias, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ours, ref = LINEAR_ACTS[act]
+    a, b, w, bb, g = _linear_case(shape, 37, dtype, device, gen, bias)
+    got = _linear_grads(lambda *t: ours(*t), (a, b, w, bb), g)
+    # float64, except that the product is stored in the working dtype (forward: act(a) * b; backward: its
+    # gradient), as in HF's MLP and in ours: weight gradients sum products of such rounded values over rows,
+    # which no elementwise dtype bound on a float64 product would cover.
+    want = _linear_grads(lambda x, y, wt, bt: F.linear(ref(x, y).to(dtype).double(), wt, bt), (a, b, w, bb), g,
+                         lambda t: t.double())
+    names = ("y", "da", "db", "dweight", "dbias")
+    for x, y, name in zip(got[:3], want[:3], names):
+        assert x.dtype == dtype, name
+        # a matmul after the gate (and two in the backward): a few roundings more than one op
+        assert_close(x, y, dtype, f"{act} {name}", scale=4.0)
+    # dweight and dbias sum over the rows: bound by the size of the terms, (rows + 2) * eps * sum |terms|: the
+    # standard error bound of a dot product (CPU half-precision matmuls round their partial sums), plus the
+    # output's rounding and one unit of the stored product (computed in fp32, it may round to the neighbour of
+    # the float64 product's rounding)
+    # (the product's absolute error, e.g. the tanh approximation's ~1e-7 near 0, enters as the dtype's atol
+    # times sum |dy|)
+    g2 = g.double().reshape(-1, g.shape[-1]).abs()
+    c_abs = ref(a.double(), b.double()).reshape(-1, a.shape[-1]).abs()
+    rows, atol = g2.shape[0], TOLERANCES[dtype][0]
+    for x, y, terms, absolute, name in ((got[3], want[3], g2.t() @ c_abs, g2.sum(0)[:, None], "dweight"),
+                                        (got[4], want[4], g2.sum(0), g2.sum(0), "dbias")):
+        if y is None:
+            continue
+        assert x.dtype == dtype, name
+        err = (x.double() - y).abs().cpu()
+        bound = ((rows + 2) * torch.finfo(dtype).eps * terms + atol * absolute).cpu()
+        assert torch.isfinite(x).all() and (err <= bound).all(), (
+            f"{act} {name}: {int((err > bound).sum())} elements off, worst {float((err - bound).max()):.3g} "
+            "over the bound")
+
+
+def test_gated_linear_saves_the_inputs_but_not_the_product(device, seed):
+    """What autograd keeps for the backward: a, b and the weight, not the (N, I) product that
+    F.linear(swiglu(a, b), w) saves."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b, w, _, g = _linear_case((64, 96), 16, torch.float32, device, gen, False)
+
+    def saved_bytes(fn):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        leaves = [t.clone().requires_grad_(True) for t in (a, b, w)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn(*leaves)
+        y.backward(g)
+        return sum(sizes)
+
+    fused = saved_bytes(liger_torch.swiglu_linear)
+    unfused = saved_bytes(lambda x, y, wt: F.linear(liger_torch.swiglu(x, y), wt))
+    assert fused == 3 * 64 * 96 * 4 - 64 * 96 * 4 + 16 * 96 * 4  # a, b, weight
+    assert unfused - fused == 64 * 96 * 4  # the product
+
+
+def test_gated_linear_frozen_weight_and_no_grad(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a, b, w, bb, g = _linear_case((7, 123), 20, torch.float32, device, gen, True)
+    a, b = a.requires_grad_(True), b.requires_grad_(True)
+    y = liger_torch.swiglu_linear(a, b, w, bb)  # weight and bias frozen: no dW computed, a and b still get theirs
+    y.backward(g)
+    a64, b64 = a.detach().double().requires_grad_(True), b.detach().double().requires_grad_(True)
+    F.linear(F.silu(a64) * b64, w.double(), bb.double()).backward(g.double())
+    assert_close(a.grad, a64.grad, torch.float32, "da", scale=4.0)
+    assert_close(b.grad, b64.grad, torch.float32, "db", scale=4.0)
+    with torch.no_grad():
+        assert_close(liger_torch.swiglu_linear(a, b, w, bb), F.linear(F.silu(a64) * b64, w.double(), bb.double()),
+                     torch.float32, "y (no grad)", scale=4.0)
+
+
+def test_mlp_with_a_hooked_or_wrapped_down_proj_calls_the_module(device, seed):
+    """A down_proj that is hooked (DeepSpeed ZeRO-3 gathers its weight in a pre-hook) or not a plain nn.Linear
+    (PEFT, quantised layers) is called as a module: the hook runs, the result is the same."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hidden_size=16, intermediate_size=40, hidden_act="silu", mlp_bias=False)
+    torch.manual_seed(seed)
+    mlp = liger_torch.SwiGLUMLP(config).to(device)
+    x = torch.randn(3, 16, device=device)
+    fused = mlp(x)
+    calls = []
+    handle = mlp.down_proj.register_forward_pre_hook(lambda module, args: calls.append(1))
+    hooked = mlp(x)
+    handle.remove()
+    assert calls == [1]
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    wrapped = Wrapped(40, 16, bias=False).to(device)
+    wrapped.weight = mlp.down_proj.weight
+    mlp.down_proj = wrapped
+    assert_close(hooked, fused, torch.float32, "hooked", scale=4.0)
+    assert_close(mlp(x), fused, torch.float32, "wrapped", scale=4.0)

@@ -17,7 +17,7 @@ from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .layer_norm import layer_norm
 from .fused_add_rms_norm import fused_add_rms_norm
 from .rope import rope
-from .swiglu import geglu, swiglu
+from .swiglu import geglu, geglu_linear, swiglu, swiglu_linear
 
 INTERPRET = liger_core.INTERPRET
 
@@ -30,5 +30,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["INTERPRET", "rms_norm", "nnx", "cross_entropy", "fused_linear_cross_entropy", "kl_div", "jsd", "fused_linear_jsd", "layer_norm", "fused_add_rms_norm", "rope", "swiglu", "geglu"]
+__all__ = ["INTERPRET", "rms_norm", "nnx", "cross_entropy", "fused_linear_cross_entropy", "kl_div", "jsd", "fused_linear_jsd", "layer_norm", "fused_add_rms_norm", "rope", "swiglu", "geglu", "swiglu_linear", "geglu_linear"]
 __version__ = liger_core.__version__

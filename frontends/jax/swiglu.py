@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from liger_core import swiglu as core
 
@@ -83,3 +84,25 @@ def geglu(a, b, *, approximate: str = "tanh"):
     """``gelu(a) * b`` with ``approximate="tanh"`` (``jax.nn.gelu``'s default, HF ``gelu_pytorch_tanh``) or
     ``"none"`` (exact erf, ``jax.nn.gelu(approximate=False)``)."""
     return _call(a, b, core.gelu_activation(approximate))
+
+
+def _gated_linear(a, b, kernel, bias, gate):
+    def f(a, b, kernel, bias):
+        y = jnp.matmul(gate(a, b), kernel)
+        return y if bias is None else y + bias
+
+    # Rematerialised: the backward recomputes the product from a and b (the saved residuals) for the kernel's
+    # gradient instead of keeping it; the matmul's output is not needed there, so XLA does not recompute it.
+    return jax.checkpoint(f)(a, b, kernel, bias)
+
+
+def swiglu_linear(a, b, kernel, bias=None):
+    """``silu(a) * b @ kernel + bias`` with ``kernel`` in Flax's (I, O) layout, keeping a and b for the backward
+    but not their product (recomputed there): one (..., I) activation less per MLP than
+    ``swiglu(a, b) @ kernel``."""
+    return _gated_linear(a, b, kernel, bias, swiglu)
+
+
+def geglu_linear(a, b, kernel, bias=None, *, approximate: str = "tanh"):
+    """:func:`swiglu_linear` with ``gelu(a) * b`` (``approximate`` as for :func:`geglu`)."""
+    return _gated_linear(a, b, kernel, bias, functools.partial(geglu, approximate=approximate))

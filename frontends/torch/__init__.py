@@ -10,7 +10,8 @@ from .fused_linear_cross_entropy import (FusedLinearCrossEntropyLoss, LigerFused
 from .layer_norm import LayerNorm, LigerLayerNormFunction, layer_norm
 from .fused_add_rms_norm import FusedAddRMSNorm, LigerFusedAddRMSNormFunction, fused_add_rms_norm
 from .rope import LigerRopeFunction, rope
-from .swiglu import GeGLUMLP, LigerGatedActivationFunction, SwiGLUMLP, geglu, swiglu
+from .swiglu import (GeGLUMLP, LigerGatedActivationFunction, LigerGatedLinearFunction, SwiGLUMLP, geglu,
+                     geglu_linear, swiglu, swiglu_linear)
 from .jsd import JSD, LigerJSDFunction, jsd
 from .fused_linear_jsd import FusedLinearJSD, LigerFusedLinearJSDFunction, fused_linear_jsd
 
@@ -23,7 +24,8 @@ __all__ = ["INTERPRET", "LigerRMSNormFunction", "RMSNorm", "rms_norm",
            "LayerNorm", "LigerLayerNormFunction", "layer_norm",
            "FusedAddRMSNorm", "LigerFusedAddRMSNormFunction", "fused_add_rms_norm",
            "JSD", "LigerJSDFunction", "jsd", "FusedLinearJSD", "LigerFusedLinearJSDFunction", "fused_linear_jsd",
-           "LigerRopeFunction", "rope", "GeGLUMLP", "LigerGatedActivationFunction", "SwiGLUMLP", "geglu", "swiglu"]
+           "LigerRopeFunction", "rope", "GeGLUMLP", "LigerGatedActivationFunction", "SwiGLUMLP", "geglu", "swiglu",
+           "LigerGatedLinearFunction", "swiglu_linear", "geglu_linear"]
 __version__ = liger_core.__version__
 
 # Hugging Face integration (liger_torch.transformers), re-exported lazily: importing liger_torch does not import

@@ -29,6 +29,7 @@ from flax import nnx
 from ..fused_linear_cross_entropy import fused_linear_cross_entropy
 from ..rms_norm import rms_norm
 from ..rope import rope
+from ..nnx.swiglu import gated_down
 from ..swiglu import geglu, swiglu
 
 IGNORE_INDEX = -100
@@ -225,15 +226,18 @@ class LlamaMLP(nnx.Module):
         self.approximate = ACTIVATIONS[config.hidden_act]  # None: SiLU
         self.use_kernel = kernels.swiglu if self.approximate is None else kernels.geglu
 
+    def _gate(self, a, b):
+        if self.approximate is None:
+            return swiglu(a, b) if self.use_kernel else jax.nn.silu(a) * b
+        if self.use_kernel:
+            return geglu(a, b, approximate=self.approximate)
+        return jax.nn.gelu(a, approximate=self.approximate == "tanh") * b
+
     def __call__(self, x):
         a, b = self.gate_proj(x), self.up_proj(x)
-        if self.approximate is None:
-            y = swiglu(a, b) if self.use_kernel else jax.nn.silu(a) * b
-        elif self.use_kernel:
-            y = geglu(a, b, approximate=self.approximate)
-        else:
-            y = jax.nn.gelu(a, approximate=self.approximate == "tanh") * b
-        return self.down_proj(y)
+        if self.use_kernel:  # the kernel path keeps a and b, not the gated product (recomputed in the backward)
+            return gated_down(self.down_proj, self._gate, a, b)
+        return self.down_proj(self._gate(a, b))
 
 
 class LlamaDecoderLayer(nnx.Module):

@@ -10,6 +10,13 @@ from flax.nnx.nn.linear import default_kernel_init
 from ..swiglu import geglu, swiglu
 
 
+def gated_down(down_proj: nnx.Linear, gate, a, b):
+    """``down_proj(gate(a, b))``, rematerialised: the backward recomputes ``gate(a, b)`` from a and b for the
+    down projection's kernel gradient instead of keeping that (..., I) activation (as
+    :func:`liger_jax.swiglu_linear`, with the module's own dtype handling)."""
+    return nnx.remat(lambda down, a, b: down(gate(a, b)))(down_proj, a, b)
+
+
 class _GatedMLP(nnx.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool = False, dtype=None,
                  param_dtype=jnp.float32, kernel_init=default_kernel_init, bias_init=initializers.zeros_init(),
@@ -26,7 +33,7 @@ class _GatedMLP(nnx.Module):
         raise NotImplementedError
 
     def __call__(self, x):
-        return self.down_proj(self._gate(self.gate_proj(x), self.up_proj(x)))
+        return gated_down(self.down_proj, self._gate, self.gate_proj(x), self.up_proj(x))
 
 
 class SwiGLUMLP(_GatedMLP):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..rms_norm import rms_norm
 from ..rope import rope
-from ..swiglu import geglu, swiglu
+from ..swiglu import gated_down, geglu, swiglu
 
 
 def activation_kind(act) -> str | None:
@@ -38,6 +38,12 @@ def gated(a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tensor:
     return geglu(a, b, approximate="tanh" if kind == "gelu_tanh" else "none", in_place=True)
 
 
+def gated_then_down(a: torch.Tensor, b: torch.Tensor, kind: str, down) -> torch.Tensor:
+    """down(act(a) * b): the product is recomputed in the backward instead of saved when ``down`` is a plain
+    ``nn.Linear`` (:func:`liger_torch.swiglu.gated_down`), in place as :func:`gated`."""
+    return gated_down(a, b, down, kind, in_place=True)
+
+
 def rms_norm_forward(self, hidden_states):
     eps = getattr(self, "variance_epsilon", None)
     if eps is None:
@@ -51,7 +57,7 @@ def gated_mlp_forward(self, x):
     kind = activation_kind(self.act_fn)
     if kind is None:
         return self._liger_base.forward(self, x)
-    return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), kind))
+    return gated_then_down(self.gate_proj(x), self.up_proj(x), kind, self.down_proj)
 
 
 def fused_gate_up_mlp_forward(self, hidden_states):
@@ -60,7 +66,7 @@ def fused_gate_up_mlp_forward(self, hidden_states):
     if kind is None:
         return self._liger_base.forward(self, hidden_states)
     gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-    return self.down_proj(gated(gate, up, kind))
+    return gated_then_down(gate, up, kind, self.down_proj)
 
 
 def experts_apply_gate(self, gate_up_out):
