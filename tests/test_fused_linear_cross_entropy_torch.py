@@ -74,7 +74,7 @@ def test_forward_backward(reduction, option, with_bias, dtype, device, seed):
         a, c, t, d, reduction=reduction, return_z_loss=True, chunk_size=CHUNK, **opts), (x, w, b), g)
     (loss_ref, z_ref), grads_ref = grads_of(lambda a, c, d: reference(a, c, t, d, reduction=reduction, **opts),
                                             (x, w, b), g.double())
-    assert loss.dtype == dtype and loss.shape == loss_ref.shape
+    assert loss.dtype == torch.float32 and loss.shape == loss_ref.shape  # fp32 whatever the inputs
     assert_close(loss, loss_ref, dtype, "loss")
     assert_close(z, z_ref, dtype, "z_loss")
     scale = N if reduction == "mean" else 1.0  # the mean's gradients are ~1/N: compare them scaled up

@@ -169,16 +169,16 @@ def _outputs(rows, z, static, dtype):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flce(x, kernel, labels, bias, ce_weight, static):
     rows, z, _ = _loop(x, kernel, labels, bias, ce_weight, static, False)
-    return _outputs(rows, z, static, x.dtype)
+    return _outputs(rows, z, static, jnp.float32)
 
 
 def _flce_fwd(x, kernel, labels, bias, ce_weight, static):
     if static[0]["reduction"] == "none":
         rows, z, _ = _loop(x, kernel, labels, bias, ce_weight, static, False)
-        return _outputs(rows, z, static, x.dtype), (x, kernel, labels, bias, ce_weight, None)
+        return _outputs(rows, z, static, jnp.float32), (x, kernel, labels, bias, ce_weight, None)
     rows, z, grads = _loop(x, kernel, labels, bias, ce_weight, static, True)
     # the kernel and bias (parameters, alive anyway) only for their shardings
-    return _outputs(rows, z, static, x.dtype), (None, kernel, None, bias, None, grads)
+    return _outputs(rows, z, static, jnp.float32), (None, kernel, None, bias, None, grads)
 
 
 def _flce_bwd(static, residuals, cotangent):
@@ -186,7 +186,7 @@ def _flce_bwd(static, residuals, cotangent):
     x, kernel, labels, bias, ce_weight, grads = residuals
     if grads is None:  # reduction='none': run the loop again, the per-row cotangent folded into the kernel
         _, _, (grad_x, grad_w, grad_b) = _loop(x, kernel, labels, bias, ce_weight, static, True,
-                                               grad_scale=g.astype(x.dtype))
+                                               grad_scale=g.astype(jnp.float32))
         dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
     else:
         grad_x, grad_w, grad_b = grads
@@ -217,7 +217,9 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
     ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``, whatever N). ``ce_weight`` is the class
     weight; the other options are :func:`liger_jax.cross_entropy`'s (labels checked when concrete; under
     ``jit`` a bad label makes the loss NaN). ``accum_dtype_fp32``: accumulate the kernel's gradient in fp32
-    (default: on for bf16/fp16 kernels). Differentiable in x, kernel and bias.
+    (default: on for bf16/fp16 kernels). Differentiable in x, kernel and bias. The loss (and z-loss) is fp32
+    whatever x's dtype, as the fp32 losses of HF's loss functions and Liger-Kernel: a bf16 loss near 12 would
+    be rounded to multiples of 1/16.
     """
     x = as_array("x", x)
     kernel = as_array("kernel", kernel)

@@ -131,8 +131,8 @@ def _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, n
     precompute = opts["reduction"] != "none"
     rows, z, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32,
                                                   need if precompute else (False,) * 3)
-    loss = _reduce(rows, opts["reduction"], x.dtype, shape)
-    z_loss = _reduce(z, opts["reduction"], x.dtype, shape) if opts["return_z_loss"] else None
+    loss = _reduce(rows, opts["reduction"], torch.float32, shape)
+    z_loss = _reduce(z, opts["reduction"], torch.float32, shape) if opts["return_z_loss"] else None
     grad_x = grad_x.view(x.shape) if grad_x is not None else None
     return loss, z_loss, (grad_x, grad_w, grad_b), x2, t
 
@@ -223,7 +223,7 @@ def _forward_op(x, weight, target, bias, ce_weight, *options):
 
 def _forward_fake(x, weight, target, bias, ce_weight, *options):
     opts, _, accum_fp32, need = _unpack(options)
-    loss = empty_like(x, shape=x.shape[:-1] if opts["reduction"] == "none" else ())
+    loss = empty_like(x, torch.float32, x.shape[:-1] if opts["reduction"] == "none" else ())
     z_loss = empty_like(loss) if opts["return_z_loss"] else absent(loss)
     if opts["reduction"] == "none":  # gradients come from the backward
         need = (False,) * 3
@@ -295,8 +295,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     weight; the other options are :func:`liger_torch.cross_entropy`'s (same semantics and the same eager,
     host-syncing target check). ``accum_dtype_fp32``: accumulate the weight gradient over chunks in fp32
     (default: on for bf16/fp16 weights). Under ``torch.autocast`` x, weight and bias are cast to the autocast
-    dtype first, as ``F.linear`` would. Loss in x's dtype; the logits chunks are in x's dtype (like an lm_head
-    output) and upcast to fp32 inside the kernel.
+    dtype first, as ``F.linear`` would. The loss (and z-loss) is fp32 whatever x's dtype, as HF's loss functions
+    and Liger-Kernel return it (a bf16 loss near 12 would be rounded to multiples of 1/16); the logits chunks
+    are in x's dtype (like an lm_head output) and upcast to fp32 inside the kernel.
     """
     check_tensors(x=x, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
     dtype = autocast_dtype(x)

@@ -17,7 +17,7 @@ Both follow transformers' ``ForCausalLMLoss``: labels shifted left by one (last 
 tokens divided by it (gradient accumulation then equals one large batch), else the mean over non-ignored tokens;
 MoE models add ``router_aux_loss_coef * aux_loss`` when ``output_router_logits``. ``logits_to_keep`` (an int,
 the last k positions, or an index tensor) selects hidden states and the matching shifted labels. The loss is
-returned in fp32 like transformers' (the fused kernel's loss has the hidden states' dtype and is upcast after).
+returned in fp32 like transformers' (the fused kernel computes and returns it in fp32).
 In eval mode or without labels the original forward runs unchanged.
 
 The fused loss needs the full (V, H) ``lm_head.weight``. Under DDP, FSDP2 with lm_head in the root unit, or
