@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tl_math import cast
+from .tl_math import aligned, cast
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, cdiv, check_float, check_int, check_nonempty,
     contiguous_strides, next_power_of_2, warps_for,
@@ -93,8 +93,11 @@ def _cross_entropy_kernel(
     LOSS, Z_LOSS, GRAD,
     BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    grad_row_stride = aligned(grad_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * x_row_stride
     grad_row = GRAD + row * grad_row_stride
@@ -215,12 +218,14 @@ def _scale_rows_kernel(
     G, g_stride,
     n_cols,
     OUT,
-    BLOCK: tl.constexpr, IN_PLACE: tl.constexpr,
+    BLOCK: tl.constexpr, IN_PLACE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """OUT[r, :] = GRAD[r, :] * G[r * g_stride] (g_stride 0: one scalar); OUT may be GRAD itself (IN_PLACE).
 
     In place, a row whose incoming gradient is exactly 1 (``loss.backward()`` of a mean or sum) is already
     right: its loads and stores are masked off, so that common backward moves no bytes."""
+    row_stride = aligned(row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     g = tl.load(G + row * g_stride).to(tl.float32)

@@ -23,7 +23,7 @@ from .launch import (
 from .reduce import sum_partials_launch
 from .rms_norm import CASTING_MODES, _check_inputs, normalize_and_scale, output_dtype
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
-from .tl_math import cast, round_to
+from .tl_math import aligned, cast, round_to
 
 # Launch configuration (not yet swept on the H200; the plans take overrides for tuning). Forward as RMSNorm's
 # tuned forward: ~4k elements of x per program. Backward: persistent, a few programs per SM; the tile is half of
@@ -40,8 +40,11 @@ def _fused_add_rms_norm_forward_kernel(
     W, w_stride,
     n_rows, n_cols, eps, offset,
     Y, H, RSTD,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    r_row_stride = aligned(r_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -78,8 +81,14 @@ def _fused_add_rms_norm_backward_kernel(
     rows_per_group, n_cols, offset, rows_per_program,
     DX, DR, DW_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr,
+    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    dy_row_stride = aligned(dy_row_stride, ALIGN)
+    dh_row_stride = aligned(dh_row_stride, ALIGN)
+    h_row_stride = aligned(h_row_stride, ALIGN)
+    dx_row_stride = aligned(dx_row_stride, ALIGN)
+    dr_row_stride = aligned(dr_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     program = tl.program_id(0)
     group = tl.program_id(1).to(tl.int64)
     n_programs = tl.num_programs(0)

@@ -43,7 +43,7 @@ from .launch import (
     collapse_rows, next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
-from .tl_math import cast
+from .tl_math import aligned, cast
 
 _MAX_BLOCK = 4096
 _COUNT_BLOCK = 1024
@@ -101,8 +101,12 @@ def _jsd_kernel(
     n_cols, ignore_index, beta, scale, inv_temperature,
     LOSS, GRAD,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_GRAD: tl.constexpr,
-    LOGITS_GRAD: tl.constexpr,
+    LOGITS_GRAD: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    y_row_stride = aligned(y_row_stride, ALIGN)
+    grad_row_stride = aligned(grad_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * x_row_stride
     y_row = Y + row * y_row_stride

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tl_math import cast
+from .tl_math import aligned, cast
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
     next_power_of_2, promote, warps_for,
@@ -35,8 +35,11 @@ def _kl_div_forward_kernel(
     Y, y_row_stride, y_col_stride,
     n_cols, scale,
     OUT,
-    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, ELEMENTWISE: tl.constexpr,
+    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, ELEMENTWISE: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    y_row_stride = aligned(y_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -64,8 +67,11 @@ def _kl_div_backward_kernel(
     G, g_row_stride, g_col_stride,
     n_cols, scale,
     DX,
-    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr,
+    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    y_row_stride = aligned(y_row_stride, ALIGN)
+    g_row_stride = aligned(g_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

@@ -14,8 +14,10 @@ where each arg is a buffer (:class:`Buf`) or a Python int/float scalar. Fresh ou
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -77,6 +79,19 @@ class Launch:
     constexprs: Mapping[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 2
+
+    def __post_init__(self):
+        # A kernel with an ALIGN constexpr passes some int arguments through tl_math.aligned: ALIGN says whether
+        # all of them are multiples of 16 (computed here from the values, so no plan can get it wrong).
+        names = list(getattr(self.kernel, "arg_names", ()))
+        if "ALIGN" in names and "ALIGN" not in self.constexprs:
+            values = []
+            for name in aligned_args(self.kernel):
+                index = names.index(name)
+                if index >= len(self.args) or not isinstance(self.args[index], int):
+                    raise AssertionError(f"{name} of {self.kernel} is not an int argument of this launch")
+                values.append(self.args[index])
+            object.__setattr__(self, "constexprs", {**self.constexprs, "ALIGN": alignment(*values)})
 
     def array_args(self) -> list[str]:
         return [a.name for a in self.args if isinstance(a, Buf)]
@@ -170,6 +185,26 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_ALIGNED_ARGS: dict = {}
+
+
+def aligned_args(kernel) -> tuple[str, ...]:
+    """The int arguments ``kernel`` passes through :func:`liger_core.tl_math.aligned` (lines
+    ``name = aligned(name, ALIGN)`` of its source: the one place they are listed)."""
+    key = id(kernel.fn)
+    if key not in _ALIGNED_ARGS:
+        source = inspect.getsource(kernel.fn)
+        _ALIGNED_ARGS[key] = tuple(re.findall(r"^\s+(\w+) = aligned\(\1, ALIGN\)$", source, re.M))
+    return _ALIGNED_ARGS[key]
+
+
+def alignment(*values: int) -> int:
+    """A kernel's ``ALIGN`` constexpr: 16 when every one of ``values`` (row strides and row lengths, in
+    elements) is a multiple of 16, else 1. Kernels pass those values through :func:`liger_core.tl_math.aligned`
+    so that rows are loaded with 16-byte accesses whichever launcher compiled them."""
+    return 16 if all(int(v) % 16 == 0 for v in values) else 1
 
 
 def warps_for(elements: int, max_warps: int = 16) -> int:

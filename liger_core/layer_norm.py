@@ -17,7 +17,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .tl_math import cast
+from .tl_math import aligned, cast
 from .launch import (
     FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_float, check_nonempty,
     next_power_of_2, promote, warps_for,
@@ -40,8 +40,10 @@ def _layer_norm_forward_kernel(
     B, b_stride,
     n_rows, n_cols, eps,
     Y, MEAN, RSTD,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -77,8 +79,12 @@ def _layer_norm_backward_kernel(
     dx_row_stride, dx_col_stride,
     rows_per_group, n_cols, rows_per_program,
     DX, DW_PARTIAL, DB_PARTIAL,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    dy_row_stride = aligned(dy_row_stride, ALIGN)
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    dx_row_stride = aligned(dx_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     program = tl.program_id(0)
     group = tl.program_id(1).to(tl.int64)
     n_programs = tl.num_programs(0)

@@ -26,7 +26,7 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
-from .tl_math import cast, round_to
+from .tl_math import aligned, cast, round_to
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 # Launch configuration, from the H200 sweep in docs/perf-notes.md (scripts/tune_rms_norm.py):
@@ -66,8 +66,10 @@ def _rms_norm_forward_kernel(
     W, w_stride,
     n_rows, n_cols, eps, offset,
     Y, RSTD,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -109,10 +111,14 @@ def _rms_norm_backward_kernel(
     rows_per_group, n_cols, offset, rows_per_program,
     DX, DW_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
     PREFETCH the next tile's loads are issued before the current tile is computed, hiding HBM latency."""
+    dy_row_stride = aligned(dy_row_stride, ALIGN)
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    dx_row_stride = aligned(dx_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     program = tl.program_id(0)
     group = tl.program_id(1).to(tl.int64)
     n_programs = tl.num_programs(0)

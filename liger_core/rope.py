@@ -25,7 +25,7 @@ from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, check_float, check_nonempty, contiguous_strides, next_power_of_2,
     non_overlapping, promote, warps_for,
 )
-from .tl_math import cast, round_to
+from .tl_math import aligned, cast, round_to
 
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # q/k elements one program rotates per loop step (one token, a block of heads).
@@ -85,8 +85,25 @@ def _rope_kernel(
     n_tokens, n_heads_q, n_heads_k, half, n_positions,
     QO, KO,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_POS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_POS: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    q_sb = aligned(q_sb, ALIGN)
+    q_st = aligned(q_st, ALIGN)
+    q_sh = aligned(q_sh, ALIGN)
+    k_sb = aligned(k_sb, ALIGN)
+    k_st = aligned(k_st, ALIGN)
+    k_sh = aligned(k_sh, ALIGN)
+    qo_sb = aligned(qo_sb, ALIGN)
+    qo_st = aligned(qo_st, ALIGN)
+    qo_sh = aligned(qo_sh, ALIGN)
+    ko_sb = aligned(ko_sb, ALIGN)
+    ko_st = aligned(ko_st, ALIGN)
+    ko_sh = aligned(ko_sh, ALIGN)
+    half = aligned(half, ALIGN)
+    cos_sb = aligned(cos_sb, ALIGN)
+    cos_st = aligned(cos_st, ALIGN)
+    sin_sb = aligned(sin_sb, ALIGN)
+    sin_st = aligned(sin_st, ALIGN)
     token = tl.program_id(0).to(tl.int64)
     b = token // n_tokens
     t = token % n_tokens

@@ -21,7 +21,7 @@ from .launch import (
     next_power_of_2, non_overlapping, warps_for,
 )
 from .rowwise import row_view
-from .tl_math import cast, round_to, tanh
+from .tl_math import aligned, cast, round_to, tanh
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -68,8 +68,11 @@ def _gated_forward_kernel(
     B, b_row_stride, b_col_stride,
     n_rows, n_cols,
     C,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    a_row_stride = aligned(a_row_stride, ALIGN)
+    b_row_stride = aligned(b_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -90,8 +93,14 @@ def _gated_backward_kernel(
     db_row_stride, db_col_stride,
     n_rows, n_cols,
     DA, DB,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    dc_row_stride = aligned(dc_row_stride, ALIGN)
+    a_row_stride = aligned(a_row_stride, ALIGN)
+    b_row_stride = aligned(b_row_stride, ALIGN)
+    da_row_stride = aligned(da_row_stride, ALIGN)
+    db_row_stride = aligned(db_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]

@@ -1,0 +1,118 @@
+"""Compile launch plans for sm_90 the way jax_triton specialises them (arrays 16-byte aligned, integer arguments
+of unknown divisibility, those equal to 1 constant) and count the 16-byte global loads and stores in the PTX.
+
+Run as a script (no GPU needed: Triton compiles for a named target); prints one JSON line per launch:
+``{"case": ..., "kernel": ..., "v4_loads": n, "v4_stores": n, "narrow_loads": n}``. ``--force-align1`` compiles
+with ALIGN=1, to show what the hints change.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ["LIGER_INTERPRET"] = "0"  # compiled kernels (no launch happens: compile only)
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from liger_core import cross_entropy, fused_add_rms_norm, jsd, kl_div, layer_norm, rms_norm, rope, swiglu  # noqa: E402
+from liger_core.launch import ArrayInfo, Buf  # noqa: E402
+
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int64": "i64",
+                "int32": "i32"}
+
+
+def bf16(*shape):
+    return ArrayInfo.contiguous(shape, "bfloat16")
+
+
+def cases():
+    x, w = bf16(64, 4096), bf16(4096)
+    rstd = ArrayInfo.contiguous((64,), "float32")
+    q, k = bf16(1, 16, 32, 128), bf16(1, 16, 8, 128)  # (B, T, H, D): the jax layout
+    cos = bf16(1, 16, 128)
+    logits, target = bf16(64, 32000), ArrayInfo.contiguous((64,), "int64")
+    a = bf16(64, 14336)
+    rows = ArrayInfo.contiguous((64,), "float32")
+    scalar = ArrayInfo.contiguous((), "float32")
+    return {
+        "rms_norm forward": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
+        "rms_norm backward": (rms_norm.backward_plan(x, x, w, num_sms=132),
+                              {"dy": x, "x": x, "weight": w, "rstd": rstd}),
+        "layer_norm forward": (layer_norm.forward_plan(x, w, w, eps=1e-6), {"x": x, "weight": w, "bias": w}),
+        "swiglu forward": (swiglu.forward_plan(a, a, activation="silu"), {"a": a, "b": a}),
+        "swiglu backward": (swiglu.backward_plan(a, a, a, activation="silu", in_place=False),
+                            {"dc": a, "a": a, "b": a}),
+        "cross_entropy": (cross_entropy.forward_plan(logits, target, reduction="sum"),
+                          {"logits": logits, "target": target}),
+        "rope": (rope.forward_plan(q, k, cos, cos, head_axis=2), {"q": q, "k": k, "cos": cos, "sin": cos}),
+        "kl_div": (kl_div.forward_plan(logits, logits, reduction="sum"), {"input": logits, "target": logits}),
+        # compiled to check they build for sm_90 (their vectorisation is not asserted)
+        "layer_norm backward": (layer_norm.backward_plan(x, x, w, w, num_sms=132),
+                                {"dy": x, "x": x, "weight": w, "bias": w, "mean": rows, "rstd": rows}),
+        "fused_add_rms_norm forward": (fused_add_rms_norm.forward_plan(x, x, w, eps=1e-6),
+                                       {"x": x, "residual": x, "weight": w}),
+        "fused_add_rms_norm backward": (fused_add_rms_norm.backward_plan(
+            x, x, x, w, x_dtype="bfloat16", residual_dtype="bfloat16", num_sms=132),
+            {"dy": x, "dh": x, "h": x, "weight": w, "rstd": rows}),
+        "cross_entropy backward": (cross_entropy.backward_plan(logits, scalar, reduction="mean"),
+                                   {"grad": logits, "grad_output": scalar}),
+        "kl_div backward": (kl_div.backward_plan(scalar, logits, logits, reduction="sum"),
+                            {"grad_output": scalar, "target": logits}),
+        "jsd": (jsd.forward_plan(logits, logits), {"student": logits, "teacher": logits}),
+    }
+
+
+def compile_launch(launch, dtypes, force_align1):
+    kernel = launch.kernel
+    constexprs = dict(launch.constexprs)
+    if force_align1 and "ALIGN" in constexprs:
+        constexprs["ALIGN"] = 1
+    positional = list(launch.args) + [Buf(o.name) for o in launch.outputs]
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        value = positional[i]
+        if isinstance(value, Buf):
+            signature[name] = "*" + TRITON_TYPES[dtypes[value.name]]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    return compiled.asm["ptx"]
+
+
+def main():
+    force_align1 = "--force-align1" in sys.argv
+    wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for case, (plan, inputs) in cases().items():
+        if wanted and case not in wanted:
+            continue
+        dtypes = {name: info.dtype for name, info in inputs.items()}
+        for launch in plan.launches:
+            for out in launch.outputs:
+                dtypes[out.name] = out.dtype
+            if "ALIGN" not in launch.constexprs:
+                continue
+            ptx = compile_launch(launch, dtypes, force_align1)
+            print(json.dumps({
+                "case": case, "kernel": launch.kernel.fn.__name__, "align": launch.constexprs["ALIGN"],
+                "v4_loads": len(re.findall(r"ld\.global[.\w:]*\.v4\.", ptx)),
+                "v4_stores": len(re.findall(r"st\.global[.\w:]*\.v4\.", ptx)),
+                "narrow_loads": len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)),
+            }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
