@@ -3,7 +3,7 @@ of unknown divisibility, those equal to 1 constant) and count the 16-byte global
 
 Run as a script (no GPU needed: Triton compiles for a named target); prints one JSON line per launch:
 ``{"case": ..., "kernel": ..., "v4_loads": n, "v4_stores": n, "narrow_loads": n}``. ``--force-align1`` compiles
-with ALIGN=1, to show what the hints change.
+with ALIGN=1, to show what the hints change; ``--report`` adds ptxas's registers and spill bytes per thread.
 """
 
 import json
@@ -90,11 +90,31 @@ def compile_launch(launch, dtypes, force_align1):
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
-    return compiled.asm["ptx"]
+    return compiled
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers and spill bytes per thread, from Triton's bundled ptxas (``-v``) on the PTX."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                         text=True)
+    os.unlink(f.name)
+    text = out.stderr + out.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spills.group(1)) if spills else None}
 
 
 def main():
     force_align1 = "--force-align1" in sys.argv
+    report = "--report" in sys.argv
     wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
     for case, (plan, inputs) in cases().items():
         if wanted and case not in wanted:
@@ -105,9 +125,12 @@ def main():
                 dtypes[out.name] = out.dtype
             if "ALIGN" not in launch.constexprs:
                 continue
-            ptx = compile_launch(launch, dtypes, force_align1)
+            compiled = compile_launch(launch, dtypes, force_align1)
+            ptx = compiled.asm["ptx"]
             print(json.dumps({
                 "case": case, "kernel": launch.kernel.fn.__name__, "align": launch.constexprs["ALIGN"],
+                "num_warps": launch.num_warps, "shared_bytes": compiled.metadata.shared,
+                **(ptxas_report(ptx) if report else {}),
                 "v4_loads": len(re.findall(r"ld\.global[.\w:]*\.v4\.", ptx)),
                 "v4_stores": len(re.findall(r"st\.global[.\w:]*\.v4\.", ptx)),
                 "narrow_loads": len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)),
