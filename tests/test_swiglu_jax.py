@@ -164,26 +164,19 @@ LINEAR_ACTS = {
 }
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("act", list(LINEAR_ACTS))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gated_linear_forward_and_grads(dtype, act, bias, seed):
+def check_gated_linear(act, a, b, kernel, bias, probe):
     """swiglu_linear / geglu_linear (Flax (I, O) kernel layout): the output and the gradients of a, b, the
-    kernel and the bias. fp32 against float64. bf16 against the unfused ``gate(a, b) @ kernel + bias`` in bf16:
-    XLA's CPU matmul rounds bf16 partial sums (errors of ~0.1 on sums of six products of magnitude ~10 were
-    seen against float64 for both), so float64 would test XLA's CPU dot, not this op; the gate kernel itself
-    is checked against float64 above."""
+    kernel and the bias (None: no bias), for the loss sum(y * probe). fp32 against float64. bf16/fp16 against
+    the unfused ``gate(a, b) @ kernel + bias`` in that dtype: XLA's CPU matmul rounds half-precision partial
+    sums (errors of ~0.1 on sums of six products of magnitude ~10 were seen against float64 for both), so
+    float64 would test XLA's CPU dot, not this op; the gate kernel itself is checked against float64 above."""
     ours, ref = LINEAR_ACTS[act]
-    rng = np.random.default_rng(seed)
-    a, b, _ = draw(seed, (2, 3, 123), dtype)
-    kernel = jnp.asarray(rng.standard_normal((123, 37)) / 11, dtype)
-    bb = jnp.asarray(rng.standard_normal(37), dtype) if bias else None
-    probe = jnp.asarray(rng.standard_normal((2, 3, 37)), jnp.float32)
+    dtype = a.dtype
 
     def loss(f, *args):
         return jnp.sum(f(*args).astype(jnp.float32) * probe)
 
-    args = (a, b, kernel) + ((bb,) if bias else ())
+    args = (a, b, kernel) + ((bias,) if bias is not None else ())
     argnums = tuple(range(len(args)))
     y = jax.jit(ours)(*args)
     grads = jax.jit(jax.grad(lambda *t: loss(ours, *t), argnums=argnums))(*args)
@@ -212,6 +205,18 @@ def test_gated_linear_forward_and_grads(dtype, act, bias, seed):
     for got, want, name in zip(grads, grads_ref, ("da", "db", "dkernel", "dbias")):
         assert got.dtype == dtype, name
         assert_close(np.asarray(got.astype(jnp.float32)), np.asarray(want), dtype, name, scale=4.0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act", list(LINEAR_ACTS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gated_linear_forward_and_grads(dtype, act, bias, seed):
+    rng = np.random.default_rng(seed)
+    a, b, _ = draw(seed, (2, 3, 123), dtype)
+    kernel = jnp.asarray(rng.standard_normal((123, 37)) / 11, dtype)
+    bb = jnp.asarray(rng.standard_normal(37), dtype) if bias else None
+    probe = jnp.asarray(rng.standard_normal((2, 3, 37)), jnp.float32)
+    check_gated_linear(act, a, b, kernel, bb, probe)
 
 
 def test_gated_linear_keeps_a_and_b_but_not_the_product(seed):

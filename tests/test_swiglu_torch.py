@@ -212,21 +212,17 @@ def _linear_case(shape, out_features, dtype, device, gen, bias):
     return a, b, w, bb, g
 
 
-def _linear_grads(fn, tensors, g, cast=lambda t: t.clone()):
+def _linear_grads(fn, tensors, g, cast=lambda t: t):  # detached views keep their layout
     leaves = [None if t is None else cast(t.detach()).requires_grad_(True) for t in tensors]
     y = fn(*leaves)
     y.backward(cast(g))
     return [y] + [None if t is None else t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 123)])
-@pytest.mark.parametrize("act", list(LINEAR_ACTS))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_linear_forward_backward(dtype, act, shape, bias, device, seed):
-    gen = torch.Generator().manual_seed(seed)
+def check_gated_linear(act, a, b, w, bb, g, dtype):
+    """swiglu_linear / geglu_linear (``act``) of a, b (any layout), weight w and bias bb (or None) against float64,
+    for the incoming gradient g: the output and the gradients of a, b, w and bb."""
     ours, ref = LINEAR_ACTS[act]
-    a, b, w, bb, g = _linear_case(shape, 37, dtype, device, gen, bias)
     got = _linear_grads(lambda *t: ours(*t), (a, b, w, bb), g)
     # float64, except that the product is stored in the working dtype (forward: act(a) * b; backward: its
     # gradient), as in HF's MLP and in ours: weight gradients sum products of such rounded values over rows,
@@ -241,9 +237,8 @@ def test_gated_linear_forward_backward(dtype, act, shape, bias, device, seed):
     # dweight and dbias sum over the rows: bound by the size of the terms, (rows + 2) * eps * sum |terms|: the
     # standard error bound of a dot product (CPU half-precision matmuls round their partial sums), plus the
     # output's rounding and one unit of the stored product (computed in fp32, it may round to the neighbour of
-    # the float64 product's rounding)
-    # (the product's absolute error, e.g. the tanh approximation's ~1e-7 near 0, enters as the dtype's atol
-    # times sum |dy|)
+    # the float64 product's rounding) (the product's absolute error, e.g. the tanh approximation's ~1e-7 near 0,
+    # enters as the dtype's atol times sum |dy|)
     g2 = g.double().reshape(-1, g.shape[-1]).abs()
     c_abs = ref(a.double(), b.double()).reshape(-1, a.shape[-1]).abs()
     rows, atol = g2.shape[0], TOLERANCES[dtype][0]
@@ -257,6 +252,15 @@ def test_gated_linear_forward_backward(dtype, act, shape, bias, device, seed):
         assert torch.isfinite(x).all() and (err <= bound).all(), (
             f"{act} {name}: {int((err > bound).sum())} elements off, worst {float((err - bound).max()):.3g} "
             "over the bound")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 123)])
+@pytest.mark.parametrize("act", list(LINEAR_ACTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_linear_forward_backward(dtype, act, shape, bias, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    check_gated_linear(act, *_linear_case(shape, 37, dtype, device, gen, bias), dtype)
 
 
 def test_gated_linear_saves_the_inputs_but_not_the_product(device, seed):

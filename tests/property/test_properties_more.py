@@ -1,6 +1,6 @@
 """Property-based sweeps (hypothesis) of the public functions test_properties_torch.py does not cover:
 liger_torch's fused_add_rms_norm, rope, kl_div, jsd and fused_linear_cross_entropy, and liger_jax's rms_norm,
-layer_norm, swiglu/geglu and cross_entropy.
+layer_norm, swiglu/geglu (and swiglu_linear / geglu_linear) and cross_entropy.
 
 As in test_properties_torch.py, each example draws shapes (1 row, odd and prime sizes), dtypes and options, the
 tensors' values come from a generator seeded by a drawn integer (hypothesis' falsifying example reproduces the
@@ -29,7 +29,8 @@ from test_jsd_torch import reference as jsd_reference
 from test_layer_norm_jax import reference as jln_reference
 from test_rms_norm_jax import reference as jrms_reference
 from test_rope_torch import hf_tables, reference as rope_reference
-from test_swiglu_jax import ACTS as JACTS
+from test_swiglu_jax import ACTS as JACTS, LINEAR_ACTS as JLINEAR_ACTS
+from test_swiglu_jax import check_gated_linear as check_jax_gated_linear
 
 import torch.nn.functional as F
 
@@ -361,6 +362,19 @@ def test_jax_glu(lead, h, dtype, act, seed):
         da_ref, db_ref = jax.grad(lambda u, v: jnp.sum(ref(u, v) * probe), argnums=(0, 1))(a64, b64)
     for got, want, name in ((c, c_ref, "c"), (da, da_ref, "da"), (db, db_ref, "db")):
         assert_close(f32(got), np.asarray(want), dtype, f"{act} {name}")
+
+
+@FEW
+@given(lead=JLEAD, h=st.sampled_from(HIDDEN), out=st.sampled_from([1, 5, 16]), dtype=JDTYPES,
+       act=st.sampled_from(list(JLINEAR_ACTS)), bias=st.booleans(), seed=SEEDS)
+def test_jax_glu_linear(lead, h, out, dtype, act, bias, seed):
+    """swiglu_linear / geglu_linear with the rematerialised product."""
+    a, rng = jdraw(seed, lead + (h,), dtype, scale=3.0)
+    b = jnp.asarray(rng.standard_normal(lead + (h,)), dtype)
+    kernel = jnp.asarray(rng.standard_normal((h, out)) / np.sqrt(h), dtype)
+    bb = jnp.asarray(rng.standard_normal(out), dtype) if bias else None
+    probe = jnp.asarray(rng.standard_normal(lead + (out,)), jnp.float32)
+    check_jax_gated_linear(act, a, b, kernel, bb, probe)
 
 
 @st.composite

@@ -1,4 +1,5 @@
-"""Property-based sweeps (hypothesis) of liger_torch's rms_norm, layer_norm, swiglu/geglu and cross_entropy.
+"""Property-based sweeps (hypothesis) of liger_torch's rms_norm, layer_norm, swiglu/geglu (and their *_linear
+forms) and cross_entropy.
 
 Each example draws a shape (1 row, odd and prime sizes), a dtype, the function's options and a memory layout
 (contiguous, offset into a bigger buffer, row slice of a wider buffer, strided columns, transposed leading
@@ -17,7 +18,7 @@ from helpers import assert_close
 from test_cross_entropy_torch import reference as ce_reference
 from test_layer_norm_torch import reference as ln_reference
 from test_rms_norm_torch import reference as rms_reference
-from test_swiglu_torch import ACTS
+from test_swiglu_torch import ACTS, LINEAR_ACTS, check_gated_linear
 
 DEVICE = device()
 
@@ -174,6 +175,20 @@ def test_glu(shape, h, dtype, act, seed):
     assert_close(c, c_ref, dtype, f"{act} c")
     assert_close(da, da_ref, dtype, f"{act} da")
     assert_close(db, db_ref, dtype, f"{act} db")
+
+
+@given(shape=leading_and_layout(), h=st.sampled_from(HIDDEN), out=st.sampled_from([1, 5, 16, 37]), dtype=DTYPES,
+       act=st.sampled_from(list(LINEAR_ACTS)), bias=st.booleans(), seed=SEEDS)
+def test_glu_linear(shape, h, out, dtype, act, bias, seed):
+    """swiglu_linear / geglu_linear: gate, down projection and the recomputing backward, any input layout."""
+    lead, layout, pad = shape
+    gen = torch.Generator().manual_seed(seed)
+    a = make(gen, lead, h, dtype, layout, pad, scale=3.0)
+    b = make(gen, lead, h, dtype, layout, pad)
+    w = (torch.randn(out, h, generator=gen) * h ** -0.5).to(DEVICE, dtype)
+    bb = torch.randn(out, generator=gen).to(DEVICE, dtype) if bias else None
+    g = torch.randn(*lead, out, generator=gen).to(DEVICE, dtype)
+    check_gated_linear(act, a, b, w, bb, g, dtype)
 
 
 # ----------------------------------------------------------------------------------------------- cross_entropy
