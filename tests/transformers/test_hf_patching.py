@@ -139,22 +139,27 @@ def test_num_items_in_batch_accumulation_equals_big_batch(device, seed):
         assert_close(p.grad, big_grads[n], F32, f"grad {n}", scale=GRAD_SCALE)
 
 
+def train_adamw(model, stream, steps):
+    """``steps`` AdamW steps over the batches of ``stream`` in turn; the per-step losses (fp32)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model.train()
+    losses = []
+    for step in range(steps):
+        ids, labels = stream[step % len(stream)]
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_convergence_adamw(family, device, seed):
     """20 AdamW steps on a fixed synthetic batch stream: per-step losses and final parameters match."""
     def train(model):
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        model.train()
-        losses = []
-        for step in range(20):
-            ids, labels = stream[step % len(stream)]
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        return torch.stack(losses), dict(model.named_parameters()), start
+        return train_adamw(model, stream, 20), dict(model.named_parameters()), start
 
     stream = [batch(seed + i, device, batch_size=1, seq=8) for i in range(2)]  # a cycle it can learn
     ref_losses, ref_params, start = train(build(family, seed, device))
@@ -176,23 +181,10 @@ def test_convergence_adamw_bf16(family, device, seed):
     """The bf16 run the issue asks of the GPU: 30 AdamW steps of a bf16 model on a fixed batch cycle, patched vs
     unpatched. bf16 runs drift apart by rounding from the first step, so the per-step losses are compared at
     bf16's tolerance (x2), and both runs must learn the cycle to the same final loss (within 0.05 + 5%)."""
-    def train(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        model.train()
-        losses = []
-        for step in range(30):
-            ids, labels = stream[step % len(stream)]
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach().float())
-        return torch.stack(losses)
-
     stream = [batch(seed + i, device, batch_size=2, seq=16) for i in range(2)]
-    ref = train(build(family, seed, device, dtype=torch.bfloat16))
+    ref = train_adamw(build(family, seed, device, dtype=torch.bfloat16), stream, 30)
     with liger_kernel_patched(family):
-        got = train(build(family, seed, device, dtype=torch.bfloat16))
+        got = train_adamw(build(family, seed, device, dtype=torch.bfloat16), stream, 30)
     assert ref[-1] < ref[0] - 0.3 and got[-1] < got[0] - 0.3  # both learn
     assert_close(got, ref, torch.bfloat16, "per-step losses", scale=2)
     final, final_ref = got[-5:].mean(), ref[-5:].mean()
