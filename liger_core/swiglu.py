@@ -134,7 +134,7 @@ def gelu_activation(approximate: str) -> str:
     return GELU_APPROXIMATIONS[approximate]
 
 
-def _check_inputs(a: ArrayInfo, b: ArrayInfo, activation: str) -> None:
+def check_inputs(a: ArrayInfo, b: ArrayInfo, activation: str) -> None:
     activation_name(activation)
     check_nonempty(a, "a")
     check_float(a, "a")
@@ -142,6 +142,24 @@ def _check_inputs(a: ArrayInfo, b: ArrayInfo, activation: str) -> None:
     check_same_shape(a, "a", b, "b")
     if b.dtype != a.dtype:
         raise TypeError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
+
+
+def check_linear(a: ArrayInfo, weight: ArrayInfo, bias: ArrayInfo | None, *, layout: str = "oi",
+                 weight_name: str = "weight", bias_name: str = "bias") -> int:
+    """The down projection of ``swiglu_linear`` / ``geglu_linear``: ``weight`` (O, I) (``layout="oi"``, torch's
+    ``nn.Linear``) or (I, O) (``"io"``, a Flax kernel) with I = a's last dimension, ``bias`` (O,). Returns O."""
+    check_float(weight, weight_name)
+    n_in = a.shape[-1] if a.ndim else None
+    expect = "(O, I)" if layout == "oi" else "(I, O)"
+    if weight.ndim != 2 or weight.shape[1 if layout == "oi" else 0] != n_in:
+        raise ValueError(f"{weight_name} must have shape {expect} with I={n_in} (a's last dimension), "
+                         f"got {weight.shape}")
+    n_out = weight.shape[0 if layout == "oi" else 1]
+    if bias is not None:
+        check_float(bias, bias_name)
+        if tuple(bias.shape) != (n_out,):
+            raise ValueError(f"{bias_name} must have shape ({n_out},), got {bias.shape}")
+    return n_out
 
 
 def _tile(n_rows: int, n_cols: int) -> tuple[int, int]:
@@ -152,7 +170,7 @@ def _tile(n_rows: int, n_cols: int) -> tuple[int, int]:
 
 def forward_plan(a: ArrayInfo, b: ArrayInfo, *, activation: str) -> Plan:
     """Plan for ``c = act(a) * b``: inputs ``a``, ``b``; output ``c`` (a's shape and dtype, contiguous)."""
-    _check_inputs(a, b, activation)
+    check_inputs(a, b, activation)
     n_rows, n_cols, a_rs, a_cs = row_view(a, "a")
     _, _, b_rs, b_cs = row_view(b, "b")
     block_m, block_n = _tile(n_rows, n_cols)
@@ -172,7 +190,7 @@ def backward_plan(dc: ArrayInfo, a: ArrayInfo, b: ArrayInfo, *, activation: str,
 
     With ``in_place`` da is written over a and db over b (each when its memory has no overlapping elements);
     only the caller knows whether a and b may be destroyed."""
-    _check_inputs(a, b, activation)
+    check_inputs(a, b, activation)
     check_float(dc, "grad_output")
     if tuple(dc.shape) != tuple(a.shape):
         raise ValueError(f"grad_output must have the shape of a {a.shape}, got {dc.shape}")

@@ -86,7 +86,12 @@ def geglu(a, b, *, approximate: str = "tanh"):
     return _call(a, b, core.gelu_activation(approximate))
 
 
-def _gated_linear(a, b, kernel, bias, gate):
+def _gated_linear(a, b, kernel, bias, gate, activation):
+    a, b, kernel = as_array("a", a), as_array("b", b), as_array("kernel", kernel)
+    bias = None if bias is None else as_array("bias", bias)
+    core.check_inputs(info(a), info(b), activation)  # a and b first, then the projection
+    core.check_linear(info(a), info(kernel), None if bias is None else info(bias), layout="io", weight_name="kernel")
+
     def f(a, b, kernel, bias):
         y = jnp.matmul(gate(a, b), kernel)
         return y if bias is None else y + bias
@@ -100,9 +105,10 @@ def swiglu_linear(a, b, kernel, bias=None):
     """``silu(a) * b @ kernel + bias`` with ``kernel`` in Flax's (I, O) layout, keeping a and b for the backward
     but not their product (recomputed there): one (..., I) activation less per MLP than
     ``swiglu(a, b) @ kernel``."""
-    return _gated_linear(a, b, kernel, bias, swiglu)
+    return _gated_linear(a, b, kernel, bias, swiglu, "silu")
 
 
 def geglu_linear(a, b, kernel, bias=None, *, approximate: str = "tanh"):
     """:func:`swiglu_linear` with ``gelu(a) * b`` (``approximate`` as for :func:`geglu`)."""
-    return _gated_linear(a, b, kernel, bias, functools.partial(geglu, approximate=approximate))
+    return _gated_linear(a, b, kernel, bias, functools.partial(geglu, approximate=approximate),
+                         core.gelu_activation(approximate))

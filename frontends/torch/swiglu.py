@@ -9,7 +9,7 @@ from torch.nn.modules import module as _module_mod
 from liger_core import swiglu as core
 
 from ._custom_ops import compiling, define, empty_like
-from ._launch import check_tensors, info, rowwise, run_plan
+from ._launch import check_tensors, info, optional_info, rowwise, run_plan
 
 
 def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -172,6 +172,12 @@ def _can_fuse_linear(c_dtype: torch.dtype, weight: torch.Tensor, bias: torch.Ten
 
 def _gated_linear(a, b, weight, bias, activation, in_place):
     check_tensors(a=a, b=b, weight=weight, bias=bias)
+    core.check_inputs(info(a), info(b), activation)  # a and b first, then the projection
+    core.check_linear(info(a), info(weight), optional_info(bias))
+    if not torch.is_autocast_enabled(weight.device.type):  # autocast casts them itself, as in F.linear
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None and p.dtype != a.dtype:
+                raise TypeError(f"{name} must have a's dtype {a.dtype} (outside autocast), got {p.dtype}")
     if not _can_fuse_linear(a.dtype, weight, bias):
         return torch.nn.functional.linear(_gated(a, b, activation, in_place), weight, bias)
     return LigerGatedLinearFunction.apply(a, b, weight, bias, activation, bool(in_place))
