@@ -40,6 +40,21 @@ def _backward(dc, a, b, activation, in_place):
     return run_plan(plan, dc=dc, a=a, b=b)
 
 
+def _saved_backward(dc, a, b, activation, in_place):
+    """``(da, db)`` from the a and b an autograd Function saved. Writing da over a and db over b frees two
+    activation-sized buffers; only when a and b are distinct memory, and only when the caller said nothing else
+    reads them (the MLP modules own theirs)."""
+    in_place = in_place and not _overlap(a, b)
+    da, db = _backward(dc, a, b, activation, in_place)
+    if in_place:
+        # a and b now hold gradients: bump their version so that any other user of the saved tensors (a second
+        # backward with retain_graph, another op that saved them) fails loudly, not silently.
+        for saved, grad in ((a, da), (b, db)):
+            if grad.data_ptr() == saved.data_ptr():
+                torch.autograd.graph.increment_version(saved)
+    return da, db
+
+
 class LigerGatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, activation, in_place):
@@ -51,16 +66,7 @@ class LigerGatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
-        # Writing da over a and db over b frees two activation-sized buffers; only when a and b are distinct
-        # memory, and only when the caller said nothing else reads them (the MLP modules own theirs).
-        in_place = ctx.in_place and not _overlap(a, b)
-        da, db = _backward(dc, a, b, ctx.activation, in_place)
-        if in_place:
-            # a and b now hold gradients: bump their version so that any other user of the saved tensors
-            # (a second backward with retain_graph, another op that saved them) fails loudly, not silently.
-            for saved, grad in ((a, da), (b, db)):
-                if grad.data_ptr() == saved.data_ptr():
-                    torch.autograd.graph.increment_version(saved)
+        da, db = _saved_backward(dc, a, b, ctx.activation, ctx.in_place)
         return da, db, None, None
 
 
@@ -152,12 +158,7 @@ class LigerGatedLinearFunction(torch.autograd.Function):
         if need_ab:
             # d(product) = dout @ weight, written over the recomputed product where there is one
             dc = torch.mm(dout2, weight, out=c.view(-1, c.shape[-1]) if c is not None else None)
-            in_place = ctx.in_place and not _overlap(a, b)
-            da, db = _backward(dc.view(a.shape), a, b, ctx.activation, in_place)
-            if in_place:
-                for saved, grad in ((a, da), (b, db)):
-                    if grad.data_ptr() == saved.data_ptr():
-                        torch.autograd.graph.increment_version(saved)
+            da, db = _saved_backward(dc.view(a.shape), a, b, ctx.activation, ctx.in_place)
         return da, db, dweight, dbias, None, None
 
 
