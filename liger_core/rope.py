@@ -22,55 +22,56 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_float, check_nonempty, contiguous_strides, next_power_of_2,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, contiguous_strides, next_power_of_2,
     non_overlapping, promote, warps_for,
 )
 from .tl_math import aligned, cast, round_to
 
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
-# q/k elements one program rotates per loop step (one token, a block of heads).
+# q/k elements one program rotates (a block of heads x a block of tokens x head_dim): enough bytes in flight per
+# program to keep the copy bandwidth, few enough that many programs fit on an SM.
 _TILE_ELEMENTS = 4096
+# Most heads in one program's block: the cos/sin tile is read once per block, so more heads read it less
+# often, but fewer heads give more programs (a small T needs them).
+_MAX_BLOCK_H = 4
 
 
 @triton.jit
-def _rotate_heads(X, x_sh, x_sd, O, o_sh, o_sd, n_heads, half, c1, c2, s1, s2,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  BACKWARD: tl.constexpr):
-    """Rotate all ``n_heads`` heads of one token: X and O point at the token's first element."""
+def _rotate_tile(X, x_sh, x_st, x_sd, O, o_sh, o_st, o_sd, h0, n_heads, t, t_mask, half, c1, c2, s1, s2,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 BACKWARD: tl.constexpr):
+    """Rotate heads [h0, h0 + BLOCK_H) of the tokens ``t`` (a (BLOCK_T,) vector): X and O point at the sequence's
+    first element; c1..s2 are (BLOCK_T, BLOCK_HALF) tiles of the tokens' cos/sin halves."""
     o_dtype = O.dtype.element_ty
+    heads = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
+    row_mask = (heads < n_heads)[:, None, None] & t_mask[None, :, None]
+    x_rows = X + heads[:, None, None] * x_sh + t[None, :, None] * x_st
+    o_rows = O + heads[:, None, None] * o_sh + t[None, :, None] * o_st
     if INTERLEAVED:
         d = tl.arange(0, 2 * BLOCK_HALF)
-        d_mask = d < 2 * half
+        mask = row_mask & (d < 2 * half)[None, None, :]
+        x = tl.load(x_rows + d[None, None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, x.shape[1], BLOCK_HALF, 2)))
     else:
         j = tl.arange(0, BLOCK_HALF)
-        j_mask = j < half
-    for h0 in range(0, n_heads, BLOCK_H):
-        heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        h_mask = heads < n_heads
-        if INTERLEAVED:
-            mask = h_mask[:, None] & d_mask[None, :]
-            x = tl.load(X + heads[:, None] * x_sh + d[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
-            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
-        else:
-            mask = h_mask[:, None] & j_mask[None, :]
-            ptr = X + heads[:, None] * x_sh + j[None, :] * x_sd
-            x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(ptr + half * x_sd, mask=mask, other=0.0).to(tl.float32)
-        # Each product is rounded to the output dtype, then the sum: what HF's eager formula (forward) and its
-        # autograd (backward: grad * cos and the rotated grad * sin, accumulated) compute in half precision.
-        if BACKWARD:
-            o1 = round_to(x1 * c1[None, :], o_dtype) + round_to(x2 * s2[None, :], o_dtype)
-            o2 = round_to(x2 * c2[None, :], o_dtype) - round_to(x1 * s1[None, :], o_dtype)
-        else:
-            o1 = round_to(x1 * c1[None, :], o_dtype) - round_to(x2 * s1[None, :], o_dtype)
-            o2 = round_to(x2 * c2[None, :], o_dtype) + round_to(x1 * s2[None, :], o_dtype)
-        if INTERLEAVED:
-            o = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * BLOCK_HALF))
-            tl.store(O + heads[:, None] * o_sh + d[None, :] * o_sd, cast(o, o_dtype), mask=mask)
-        else:
-            optr = O + heads[:, None] * o_sh + j[None, :] * o_sd
-            tl.store(optr, cast(o1, o_dtype), mask=mask)
-            tl.store(optr + half * o_sd, cast(o2, o_dtype), mask=mask)
+        mask = row_mask & (j < half)[None, None, :]
+        x1 = tl.load(x_rows + j[None, None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_rows + (j + half)[None, None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = c1[None, :, :], c2[None, :, :], s1[None, :, :], s2[None, :, :]
+    # Each product is rounded to the output dtype, then the sum: what HF's eager formula (forward) and its
+    # autograd (backward: grad * cos and the rotated grad * sin, accumulated) compute in half precision.
+    if BACKWARD:
+        o1 = round_to(x1 * c1, o_dtype) + round_to(x2 * s2, o_dtype)
+        o2 = round_to(x2 * c2, o_dtype) - round_to(x1 * s1, o_dtype)
+    else:
+        o1 = round_to(x1 * c1, o_dtype) - round_to(x2 * s1, o_dtype)
+        o2 = round_to(x2 * c2, o_dtype) + round_to(x1 * s2, o_dtype)
+    if INTERLEAVED:
+        o = tl.reshape(tl.join(o1, o2), (BLOCK_H, o1.shape[1], 2 * BLOCK_HALF))
+        tl.store(o_rows + d[None, None, :] * o_sd, cast(o, o_dtype), mask=mask)
+    else:
+        tl.store(o_rows + j[None, None, :] * o_sd, cast(o1, o_dtype), mask=mask)
+        tl.store(o_rows + (j + half)[None, None, :] * o_sd, cast(o2, o_dtype), mask=mask)
 
 
 @triton.jit
@@ -82,11 +83,14 @@ def _rope_kernel(
     POS, pos_sb, pos_st,
     qo_sb, qo_st, qo_sh, qo_sd,
     ko_sb, ko_st, ko_sh, ko_sd,
-    n_tokens, n_heads_q, n_heads_k, half, n_positions,
+    n_tokens, n_heads_q, n_heads_k, half, n_positions, n_groups_q, n_groups,
     QO, KO,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_POS: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    """One program: a block of BLOCK_T tokens of one sequence and one group of heads, of q (the first
+    ``n_groups_q`` groups) or of k. The groups of a token block are neighbouring programs, so the cos/sin tile
+    each of them reads is mostly an L2 hit."""
     q_sb = aligned(q_sb, ALIGN)
     q_st = aligned(q_st, ALIGN)
     q_sh = aligned(q_sh, ALIGN)
@@ -104,39 +108,46 @@ def _rope_kernel(
     cos_st = aligned(cos_st, ALIGN)
     sin_sb = aligned(sin_sb, ALIGN)
     sin_st = aligned(sin_st, ALIGN)
-    token = tl.program_id(0).to(tl.int64)
-    b = token // n_tokens
-    t = token % n_tokens
-    row = t
-    poison = 0.0
+    pid = tl.program_id(0).to(tl.int64)
+    group = pid % n_groups
+    t_blocks = tl.cdiv(n_tokens, BLOCK_T)
+    b = pid // n_groups // t_blocks
+    t = (pid // n_groups % t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    t_mask = t < n_tokens
+    rows = t
+    poison = tl.zeros((BLOCK_T,), dtype=tl.float32)
     if HAS_POS:
-        row = tl.load(POS + b * pos_sb + t * pos_st).to(tl.int64)
+        rows = tl.load(POS + b * pos_sb + t * pos_st, mask=t_mask, other=0).to(tl.int64)
         # The frontends reject out-of-range positions they can see; a traced one (jax.jit) must still not read
         # outside the tables: read row 0 instead and make the token's outputs NaN, so the error shows.
-        inside = (row >= 0) & (row < n_positions)
-        row = tl.where(inside, row, 0)
+        inside = (rows >= 0) & (rows < n_positions)
+        rows = tl.where(inside, rows, 0)
         poison = tl.where(inside, 0.0, float("nan"))
-    cos_row = COS + b * cos_sb + row * cos_st
-    sin_row = SIN + b * sin_sb + row * sin_st
+    cos_rows = COS + b * cos_sb + rows[:, None] * cos_st
+    sin_rows = SIN + b * sin_sb + rows[:, None] * sin_st
     if INTERLEAVED:
         d = tl.arange(0, 2 * BLOCK_HALF)
-        d_mask = d < 2 * half
-        c = tl.load(cos_row + d * cos_sd, mask=d_mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_row + d * sin_sd, mask=d_mask, other=0.0).to(tl.float32)
-        c1, c2 = tl.split(tl.reshape(c, (BLOCK_HALF, 2)))
-        s1, s2 = tl.split(tl.reshape(s, (BLOCK_HALF, 2)))
+        d_mask = t_mask[:, None] & (d < 2 * half)[None, :]
+        c = tl.load(cos_rows + d[None, :] * cos_sd, mask=d_mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_rows + d[None, :] * sin_sd, mask=d_mask, other=0.0).to(tl.float32)
+        c1, c2 = tl.split(tl.reshape(c, (BLOCK_T, BLOCK_HALF, 2)))
+        s1, s2 = tl.split(tl.reshape(s, (BLOCK_T, BLOCK_HALF, 2)))
     else:
         j = tl.arange(0, BLOCK_HALF)
-        j_mask = j < half
-        c1 = tl.load(cos_row + j * cos_sd, mask=j_mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_row + (j + half) * cos_sd, mask=j_mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_row + j * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_row + (j + half) * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
+        j_mask = t_mask[:, None] & (j < half)[None, :]
+        c1 = tl.load(cos_rows + j[None, :] * cos_sd, mask=j_mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_rows + (j + half)[None, :] * cos_sd, mask=j_mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_rows + j[None, :] * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_rows + (j + half)[None, :] * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
+    poison = poison[:, None]
     c1, c2, s1, s2 = c1 + poison, c2 + poison, s1 + poison, s2 + poison
-    _rotate_heads(Q + b * q_sb + t * q_st, q_sh, q_sd, QO + b * qo_sb + t * qo_st, qo_sh, qo_sd,
-                  n_heads_q, half, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF, INTERLEAVED, BACKWARD)
-    _rotate_heads(K + b * k_sb + t * k_st, k_sh, k_sd, KO + b * ko_sb + t * ko_st, ko_sh, ko_sd,
-                  n_heads_k, half, c1, c2, s1, s2, BLOCK_HK, BLOCK_HALF, INTERLEAVED, BACKWARD)
+    if group < n_groups_q:
+        _rotate_tile(Q + b * q_sb, q_sh, q_st, q_sd, QO + b * qo_sb, qo_sh, qo_st, qo_sd, group * BLOCK_HQ,
+                     n_heads_q, t, t_mask, half, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF, INTERLEAVED, BACKWARD)
+    else:
+        _rotate_tile(K + b * k_sb, k_sh, k_st, k_sd, KO + b * ko_sb, ko_sh, ko_st, ko_sd,
+                     (group - n_groups_q) * BLOCK_HK, n_heads_k, t, t_mask, half, c1, c2, s1, s2, BLOCK_HK,
+                     BLOCK_HALF, INTERLEAVED, BACKWARD)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,8 +230,14 @@ def _table_strides(info: ArrayInfo) -> tuple[int, int, int]:
     return (info.strides[0] if info.shape[0] != 1 else 0), info.strides[1], info.strides[2]
 
 
-def _tile(n_heads: int, half: int) -> int:
-    return max(1, min(next_power_of_2(n_heads), _TILE_ELEMENTS // (2 * next_power_of_2(half))))
+def _tile(n_heads_q: int, n_heads_k: int, n_tokens: int, half: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK): head blocks of up to _MAX_BLOCK_H heads, the token block filling the rest
+    of _TILE_ELEMENTS."""
+    block_hq = min(next_power_of_2(n_heads_q), _MAX_BLOCK_H)
+    block_hk = min(next_power_of_2(n_heads_k), _MAX_BLOCK_H)
+    per_token = 2 * next_power_of_2(half) * max(block_hq, block_hk)
+    block_t = max(1, min(next_power_of_2(n_tokens), _TILE_ELEMENTS // per_token))
+    return block_t, block_hq, block_hk
 
 
 def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_ids: ArrayInfo | None, *,
@@ -242,19 +259,21 @@ def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_i
         pos_args = (Buf("position_ids"), pos_sb, position_ids.strides[-1])
     else:
         pos_args = (Buf("cos"), 0, 0)
-    block_hq, block_hk = _tile(Hq, half), _tile(Hk, half)
+    block_t, block_hq, block_hk = _tile(Hq, Hk, T, half)
     block_half = next_power_of_2(half)
+    n_groups_q = cdiv(Hq, block_hq)
+    n_groups = n_groups_q + cdiv(Hk, block_hk)
     launch = Launch(
         kernel=_rope_kernel,
-        grid=(B * T,),
+        grid=(B * cdiv(T, block_t) * n_groups,),
         args=(Buf("q"), *_bthd(q.strides, head_axis), Buf("k"), *_bthd(k.strides, head_axis),
               Buf("cos"), *_table_strides(cos), Buf("sin"), *_table_strides(sin), *pos_args,
               *_bthd(out_strides[0], head_axis), *_bthd(out_strides[1], head_axis),
-              T, Hq, Hk, half, cos.shape[-2]),
+              T, Hq, Hk, half, cos.shape[-2], n_groups_q, n_groups),
         outputs=tuple(outputs),
-        constexprs={"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half,
+        constexprs={"BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half,
                     "INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_POS": has_pos},
-        num_warps=warps_for(2 * block_half * max(block_hq, block_hk), max_warps=8),
+        num_warps=warps_for(2 * block_half * block_t * max(block_hq, block_hk), max_warps=8),
     )
     inputs = ("q", "k", "cos", "sin") + (("position_ids",) if has_pos else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("q_out", "k_out"))

@@ -79,7 +79,7 @@ def check(q, k, cos, sin, dtype, rng, position_ids=None, interleaved=False):
     assert_close(np.asarray(dk.astype(jnp.float32)), np.asarray(dk_ref), dtype, "dk")
 
 
-CASES = [((1, 1, 64), (4, 4)), ((1, 7, 128), (8, 2)), ((2, 3, 96), (8, 1))]
+CASES = [((1, 1, 64), (4, 4)), ((1, 7, 128), (8, 2)), ((2, 3, 96), (8, 1)), ((2, 123, 64), (6, 3))]
 
 
 @pytest.mark.parametrize("shape,heads", CASES, ids=[f"{s}-{h}" for s, h in CASES])

@@ -65,8 +65,10 @@ def check(q, k, cos, sin, dtype, gen, **kwargs):
         assert_close(got, ref, dtype, name)
 
 
-# (B, T, D) with (H_q, H_kv): 1 token, 7 tokens, head_dim 64 / 128 / 96 (not a power of 2), GQA ratios 1, 4, 8.
-CASES = [((1, 1, 64), (4, 4)), ((1, 7, 128), (8, 2)), ((2, 3, 96), (8, 1)), ((1, 7, 64), (16, 2))]
+# (B, T, D) with (H_q, H_kv): 1 token, 7 tokens, head_dim 64 / 128 / 96 (not a power of 2), GQA ratios 1, 4, 8;
+# 123 tokens with 6 / 3 heads: several token blocks and head groups per program grid, the last of each partial.
+CASES = [((1, 1, 64), (4, 4)), ((1, 7, 128), (8, 2)), ((2, 3, 96), (8, 1)), ((1, 7, 64), (16, 2)),
+         ((2, 123, 64), (6, 3))]
 
 
 @pytest.mark.parametrize("shape,heads", CASES, ids=[f"{s}-{h}" for s, h in CASES])
