@@ -128,7 +128,8 @@ def _cross_entropy_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + offsets
         mask = cols < n_cols
-        x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+        # Sweep 2 reads the row again: ask L2 to keep it (a row is at most ~0.5 MB; the rows in flight fit).
+        x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if HAS_SOFTCAP:
             x = softcap * _tanh(x / softcap)
         z = tl.where(mask, x, float("-inf"))
@@ -196,7 +197,8 @@ def _cross_entropy_kernel(
         for start in range(0, n_cols, BLOCK_V):
             cols = start + offsets
             mask = cols < n_cols
-            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
             if HAS_SOFTCAP:
                 th = _tanh(x / softcap)
                 x = softcap * th
@@ -286,9 +288,11 @@ def target_stride(target: ArrayInfo, name: str = "target") -> int:
     return 1
 
 
-def invalid_targets_message(vocab: int, ignore_index: int, name: str = "target") -> str:
-    return (f"{name} has values outside [0, {vocab}) that are not ignore_index={ignore_index}; "
-            f"every target must be a class index or ignore_index")
+def invalid_targets_message(vocab: int, ignore_index: int, name: str, first_bad: int, n_bad: int, n: int) -> str:
+    """The frontends' message for targets outside [0, vocab): it shows the first bad value (an id from a
+    tokenizer larger than the model's vocabulary, a padding value that is not ignore_index, ...)."""
+    return (f"{name} has values outside [0, {vocab}) that are not ignore_index={ignore_index} ({n_bad} of {n} "
+            f"targets; the first is {first_bad}); every target must be a class index or ignore_index")
 
 
 def check_inputs(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, logits_name: str = "logits",

@@ -50,11 +50,21 @@ def accumulate_in_fp32(weight_dtype: str, flag: bool | None) -> bool:
     return bool(flag)
 
 
+DTYPE_REMEDY = "cast them to one dtype"
+
+
+def _check_dtype_of_x(a: ArrayInfo, name: str, x: ArrayInfo, x_name: str, remedy: str) -> None:
+    # the logits matmul takes one dtype; both dtypes are named, since either side may be the one to change
+    if a.dtype != x.dtype:
+        raise TypeError(f"{name} must have {x_name}'s dtype {x.dtype}, got {a.dtype}; {remedy}")
+
+
 def check_inputs(x: ArrayInfo, weight: ArrayInfo, target: ArrayInfo, bias: ArrayInfo | None,
                  ce_weight: ArrayInfo | None, *, layout: str = "vh", x_name: str = "x", weight_name: str = "weight",
-                 target_name: str = "target", bias_name: str = "bias") -> int:
+                 target_name: str = "target", bias_name: str = "bias", dtype_remedy: str = DTYPE_REMEDY) -> int:
     """Validate shapes and dtypes; returns the vocabulary size V. ``layout`` is weight's: "vh" (torch's
-    ``nn.Linear`` / ``nn.Embedding``, (V, H)) or "hv" (Flax ``nnx.Linear`` kernel, (H, V))."""
+    ``nn.Linear`` / ``nn.Embedding``, (V, H)) or "hv" (Flax ``nnx.Linear`` kernel, (H, V)). ``dtype_remedy``
+    ends the message of a weight or bias whose dtype is not x's (a frontend names its own way out)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     check_nonempty(x, x_name)
@@ -66,14 +76,12 @@ def check_inputs(x: ArrayInfo, weight: ArrayInfo, target: ArrayInfo, bias: Array
         raise ValueError(f"{weight_name} must have shape {expect} with H={hidden} (x's last dimension), "
                          f"got {weight.shape}")
     vocab = weight.shape[0 if layout == "vh" else 1]
-    if weight.dtype != x.dtype:
-        raise TypeError(f"{weight_name} must have {x_name}'s dtype {x.dtype}, got {weight.dtype}")
+    _check_dtype_of_x(weight, weight_name, x, x_name, dtype_remedy)
     if bias is not None:
         check_float(bias, bias_name)
         if tuple(bias.shape) != (vocab,):
             raise ValueError(f"{bias_name} must have shape ({vocab},), got {bias.shape}")
-        if bias.dtype != x.dtype:
-            raise TypeError(f"{bias_name} must have {x_name}'s dtype {x.dtype}, got {bias.dtype}")
+        _check_dtype_of_x(bias, bias_name, x, x_name, dtype_remedy)
     ce.check_target(target, x.shape[:-1], target_name)
     ce.check_class_weight(ce_weight, vocab, "ce_weight")
     return vocab

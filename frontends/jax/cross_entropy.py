@@ -112,7 +112,9 @@ def check_labels(labels, n_classes: int, ignore_index: int, name: str = "labels"
     values = np.asarray(labels)
     valid = (values == ignore_index) | ((values >= 0) & (values < n_classes))
     if not valid.all():
-        raise ValueError(core.invalid_targets_message(n_classes, ignore_index, name))
+        bad = values[~valid]
+        raise ValueError(core.invalid_targets_message(n_classes, ignore_index, name, int(bad[0]), bad.size,
+                                                      values.size))
 
 
 def cross_entropy(logits, labels, *, weight=None, ignore_index: int = -100, reduction: str = "mean",

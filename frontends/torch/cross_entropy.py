@@ -24,7 +24,9 @@ def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name:
     """
     valid = (target == ignore_index) | ((target >= 0) & (target < n_classes))
     if not bool(valid.all()):
-        raise ValueError(core.invalid_targets_message(n_classes, ignore_index, name))
+        bad = target[~valid]
+        raise ValueError(core.invalid_targets_message(n_classes, ignore_index, name, int(bad[0]), bad.numel(),
+                                                      target.numel()))
 
 
 def _check_2d(logits: torch.Tensor, target: torch.Tensor, logits_name: str = "logits") -> None:

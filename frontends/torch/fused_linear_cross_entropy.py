@@ -20,6 +20,10 @@ from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
 from .cross_entropy import check_targets
 
+# x is typically a model's last hidden states and weight its lm_head's: a model cast in part (or on one rank
+# only) is the usual cause
+DTYPE_REMEDY = ("cast them to one dtype (model.to(dtype), lm_head included) or run under torch.autocast, which "
+                "casts both")
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,7 +313,8 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
                 accum_dtype_fp32)
     ce_core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                           lse_square_scale=lse_square_scale, softcap=softcap)
-    vocab = core.check_inputs(info(x), info(weight), info(target), optional_info(bias), optional_info(ce_weight))
+    vocab = core.check_inputs(info(x), info(weight), info(target), optional_info(bias), optional_info(ce_weight),
+                              dtype_remedy=DTYPE_REMEDY)
     core.chunk_rows(1, vocab, dtype_name(x.dtype), chunk_size)  # validates chunk_size
     grad_on = torch.is_grad_enabled()
     need = tuple(bool(grad_on and t is not None and t.requires_grad) for t in (x, weight, bias))
