@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels (.whl/, from ../shared/device-wheels.sh) and this
 # repo, run the whole test suite on the GPU, then the benchmarks, and print a short table.
-#   scripts/gpu_check.sh [all|tests|bench] [extra args for `python -m benchmarks run`]
+#   scripts/gpu_check.sh [all|tests|bench|demo|profile] [extra args for `python -m benchmarks run`, or for
+#   scripts/profile_e2e.py with profile]
 # Logs and results land in $OUT (the device tool brings them back) and benchmarks/results/.
 #   e.g. scripts/gpu_check.sh bench --quick --kernels rms_norm layer_norm fused_add_rms_norm rope swiglu
 #        scripts/gpu_check.sh bench --quick --kernels e2e --match "e2e hf"     (then --match "e2e flax")
@@ -30,5 +31,13 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   export LIGER_BENCH_MIRROR="$OUT/results"
   python3 -m benchmarks run --time-limit "${BENCH_TIME_LIMIT:-420}" "$@" 2>&1 | tee "$OUT/bench.log" \
     | grep -v "^\[" | tail -80
+fi
+if [ "$what" = demo ]; then  # the README's main job at its GPU size
+  bash scripts/demo.sh 2>&1 | tee "$OUT/demo.log" | tail -30
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = profile ]; then  # where an e2e training step's GPU time goes, per kernel
+  python3 scripts/profile_e2e.py --out "$OUT/profile_e2e.txt" "$@" 2>&1 | tail -80
+  status=${PIPESTATUS[0]}
 fi
 exit $status

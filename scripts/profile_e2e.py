@@ -1,0 +1,67 @@
+"""Where an end-to-end training step spends its GPU time: torch.profiler over a few steps of the HF Llama model
+of benchmarks/bench_e2e.py, one provider at a time, as a table of the kernels with the most device time.
+
+    python3 scripts/profile_e2e.py [--model llama-3.2-1b] [--batch 4] [--seq 4096]
+                                   [--providers hf+liger_torch hf_eager] [--top 30] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import bench_e2e
+
+
+def profile_provider(model_name: str, provider: str, batch: int, seq: int, steps: int, top: int) -> str:
+    spec = bench_e2e.MODELS[model_name]
+    model, opt = bench_e2e.build_hf(spec, provider)
+    batches = [torch.randint(0, spec["vocab_size"], (batch, seq), device="cuda") for _ in range(2)]
+    for i in range(2):  # warm-up: Triton compilation, allocator growth
+        bench_e2e._hf_step(model, opt, batches[i % 2])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            bench_e2e._hf_step(model, opt, batches[i % 2])
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total_us = sum(e.self_device_time_total for e in events) / steps
+    lines = [f"## {model_name} {provider} {batch}x{seq}: {total_us / 1e3:.1f} ms of kernels per step"]
+    lines.append(f"{'ms/step':>8} {'share':>6} {'calls':>6}  kernel")
+    ranked = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    for e in ranked:
+        us = e.self_device_time_total / steps
+        lines.append(f"{us / 1e3:8.2f} {100 * us / total_us:5.1f}% {e.count // steps:6d}  {e.key[:110]}")
+    del model, opt
+    bench_e2e.free_memory()
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.2-1b", choices=sorted(bench_e2e.MODELS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--providers", nargs="+", default=["hf+liger_torch", "hf_eager"])
+    p.add_argument("--out", help="also write the tables to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_e2e needs a CUDA GPU", file=sys.stderr)
+        return 1
+    tables = []
+    for provider in args.providers:
+        tables.append(profile_provider(args.model, provider, args.batch, args.seq, args.steps, args.top))
+        print(tables[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + "\n\n".join(tables) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
