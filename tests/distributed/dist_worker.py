@@ -16,6 +16,12 @@ STACK: ``ddp``; ``fsdp2`` (``fully_shard`` per decoder layer and the root: lm_he
 ``tp_lm_head`` (lm_head tensor-parallel: ``ColwiseParallel``, its weight a vocab-sharded DTensor; the unpatched
 model trains one step, the patched one must refuse with an error that names the remedy, saved as
 ``liger_error``).
+
+Stacks where rank 1 goes wrong and rank 0 does not (a rank-local error must end every rank, none waiting
+forever in a collective for it): ``ddp_bad_label`` (DDP, rank 1's second batch has a label outside the
+vocabulary); ``ddp_dtype`` (DDP, rank 1's decoder cast to bf16 while its lm_head stays fp32, so the fused
+linear CE gets bf16 hidden states and an fp32 weight). Both train the patched model only and save just
+``error``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from liger_torch.transformers import apply_liger_kernel  # noqa: E402
 STEPS = 3
 LR = 3e-3
 SEED = int(os.environ.get("LIGER_DIST_SEED", "0"))
+FAULTS = ("ddp_bad_label", "ddp_dtype")  # the stacks that break rank 1 (see above)
+BAD_LABEL = 400  # the tiny model's vocabulary is 331
 
 
 def fully_shard_api():
@@ -64,7 +72,10 @@ def record_flce(weights):
 
 def data(rank, step, stack):
     # Data parallel: each rank its own shard. Tensor parallel: one batch for the group (the input is replicated).
-    return batch(SEED + 1000 * (0 if stack == "tp_lm_head" else rank) + step, "cpu", batch_size=1, seq=8)
+    ids, labels = batch(SEED + 1000 * (0 if stack == "tp_lm_head" else rank) + step, "cpu", batch_size=1, seq=8)
+    if stack == "ddp_bad_label" and rank == 1 and step == 1:  # after one good step together
+        labels[0, 4] = BAD_LABEL
+    return ids, labels
 
 
 def mesh(world):
@@ -75,8 +86,12 @@ def mesh(world):
 
 def wrap(model, stack, world):
     """The model under the stack, and its optimizer."""
-    if stack == "ddp":
+    if stack in ("ddp", "ddp_bad_label"):
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif stack == "ddp_dtype":
+        # DDP's start-up broadcast of the parameters (and its per-forward one of the buffers) would meet the
+        # mismatch first: gloo aborts rank 1 on the size difference, before the patched forward runs.
+        model = torch.nn.parallel.DistributedDataParallel(model, init_sync=False, broadcast_buffers=False)
     elif stack in ("fsdp2", "fsdp2_lm_head"):
         fully_shard, dp = fully_shard_api(), mesh(world)
         for layer in model.model.layers:
@@ -113,7 +128,7 @@ def full_params(model, stack):
         params = dict(model.module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
             return {n: p.detach().clone() for n, p in params.items()}
-    module = model.module if stack == "ddp" else model
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in module.named_parameters()}
 
@@ -122,6 +137,8 @@ def train(stack, patched, rank, world, steps=STEPS):
     model = build("llama", SEED, "cpu")
     if patched:
         apply_liger_kernel(model)
+    if stack == "ddp_dtype" and rank == 1:
+        model.model.to(torch.bfloat16)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.train()
     model, opt = wrap(model, stack, world)
@@ -148,6 +165,9 @@ def single_process_loss(rank, stack):
 
 
 def run_stack(stack, rank, world):
+    if stack in FAULTS:  # rank 1 raises in its forward: main saves each rank's error
+        train(stack, True, rank, world, steps=2)
+        return {"rank": rank, "stack": stack}
     result = {"rank": rank, "stack": stack, "single_step0": single_process_loss(rank, stack)}
     weights = []
     record_flce(weights)

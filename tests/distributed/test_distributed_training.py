@@ -33,8 +33,9 @@ pytestmark = [
 ]
 
 
-def launch(stacks, tmp_path, seed):
-    """Runs the worker's stacks (in turn, in one pair of processes); returns {stack: [rank 0's, rank 1's]}."""
+def _run(stacks, tmp_path, seed):
+    """Runs the worker's stacks (in turn, in one pair of processes); returns (exit codes, failure message or
+    None). A rank killed here (past the deadline, or still running GRACE_S after another failed) exits < 0."""
     # CPU tensors and the interpreter also on a GPU machine: the test is about the stacks, not the device.
     env = dict(os.environ, WORLD_SIZE=str(WORLD), LIGER_DIST_INIT=f"file://{tmp_path}/store",
                LIGER_DIST_SEED=str(seed), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS="1",
@@ -60,13 +61,31 @@ def launch(stacks, tmp_path, seed):
         for f in logs:
             f.close()
     codes = [p.returncode for p in procs]
+    tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + (tmp_path / f"log{r}.txt").read_text()[-3000:]
+                      for r, c in enumerate(codes))
+    hung = "" if failed_at or time.monotonic() < deadline else f" (killed after {DEADLINE_S} s)"
+    return codes, f"{','.join(stacks)}: ranks exited with {codes}{hung}\n{tails}"
+
+
+def _load(stack, tmp_path):
+    return [torch.load(tmp_path / f"{stack}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def launch(stacks, tmp_path, seed):
+    """Runs the stacks, which must succeed on every rank; returns {stack: [rank 0's, rank 1's]}."""
+    codes, report = _run(stacks, tmp_path, seed)
     if codes != [0] * WORLD:
-        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + (tmp_path / f"log{r}.txt").read_text()[-3000:]
-                          for r, c in enumerate(codes))
-        hung = "" if failed_at or time.monotonic() < deadline else f" (killed after {DEADLINE_S} s)"
-        pytest.fail(f"{','.join(stacks)}: ranks exited with {codes}{hung}\n{tails}")
-    return {stack: [torch.load(tmp_path / f"{stack}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
-            for stack in stacks}
+        pytest.fail(report)
+    return {stack: _load(stack, tmp_path) for stack in stacks}
+
+
+def launch_failing(stack, tmp_path, seed):
+    """Runs a stack that must fail on every rank, each ending on its own with an error (exit 1: not killed, so
+    no rank hung in a collective for more than GRACE_S); returns [rank 0's error, rank 1's]."""
+    codes, report = _run([stack], tmp_path, seed)
+    if codes != [1] * WORLD:
+        pytest.fail(report)
+    return [res["error"] for res in _load(stack, tmp_path)]
 
 
 def _assert_drift(params, ref_params, start, name):
@@ -127,3 +146,23 @@ def test_tensor_parallel_lm_head_is_a_clear_error(tmp_path, seed):
         assert "DTensor" in message and "Shard(dim=0)" in message, message
         assert "fully_shard" in message and "fused_linear_cross_entropy=False" in message, message
         assert res["flce_weights"] == []  # refused before the kernel saw a shard
+
+
+# rank 1's error (its beginning) in each stack where rank 1 alone gets bad input
+ONE_RANK_ERRORS = {
+    "ddp_bad_label": "ValueError: target has values outside [0, 331) that are not ignore_index=-100 (1 of 8 "
+                     "targets; the first is 400)",
+    "ddp_dtype": "TypeError: weight must have x's dtype bfloat16, got float32; cast them to one dtype "
+                 "(model.to(dtype), lm_head included) or run under torch.autocast",
+}
+
+
+@pytest.mark.parametrize("stack", ONE_RANK_ERRORS)
+def test_one_rank_error_ends_every_rank(stack, tmp_path, seed):
+    """Rank 1 alone gets bad input (a label outside the vocabulary in its second batch; its decoder in bf16 with
+    an fp32 lm_head): it raises the frontend's error, naming the argument and the bad value or dtypes and what
+    to do, and rank 0, waiting for it in DDP's gradient all-reduce, fails too (gloo: the peer closed the
+    connection) instead of hanging."""
+    errors = launch_failing(stack, tmp_path, seed)
+    assert errors[1].startswith(ONE_RANK_ERRORS[stack]), errors[1]
+    assert errors[0].startswith("RuntimeError") and "by peer" in errors[0], errors[0]
