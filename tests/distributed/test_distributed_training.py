@@ -34,8 +34,9 @@ pytestmark = [
 
 
 def _run(stacks, tmp_path, seed):
-    """Runs the worker's stacks (in turn, in one pair of processes); returns (exit codes, failure message or
-    None). A rank killed here (past the deadline, or still running GRACE_S after another failed) exits < 0."""
+    """Runs the worker's stacks (in turn, in one pair of processes); returns (exit codes, a report of them with
+    the logs' tails). A rank killed here (past the deadline, or still running GRACE_S after another failed)
+    has a negative code."""
     # CPU tensors and the interpreter also on a GPU machine: the test is about the stacks, not the device.
     env = dict(os.environ, WORLD_SIZE=str(WORLD), LIGER_DIST_INIT=f"file://{tmp_path}/store",
                LIGER_DIST_SEED=str(seed), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS="1",
