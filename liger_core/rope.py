@@ -30,10 +30,10 @@ from .tl_math import aligned, cast, round_to
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # q/k elements one program rotates (a block of heads x a block of tokens x head_dim): enough bytes in flight per
 # program to keep the copy bandwidth, few enough that many programs fit on an SM.
-_TILE_ELEMENTS = 4096
+_TILE_ELEMENTS = 2048
 # Most heads in one program's block: the cos/sin tile is read once per block, so more heads read it less
 # often, but fewer heads give more programs (a small T needs them).
-_MAX_BLOCK_H = 4
+_MAX_BLOCK_H = 2
 
 
 @triton.jit

@@ -153,3 +153,42 @@ def test_padding_mask_and_remat(llama):
     for name in ("norm", "embed_tokens"):
         a, b = (jax.tree.leaves(nnx.state(g["model"][name]))[0] for g in (remat, plain))
         assert_close(np.asarray(a), np.asarray(b), torch.float32, f"remat grad {name}")
+
+
+def test_attention_backend_choice(monkeypatch):
+    """None takes cuDNN flash attention on a GPU for bf16/fp16 (jax's own default is XLA's, which materialises
+    every head's T x T scores), falls back to XLA where cuDNN refuses at trace time, and stays on XLA for fp32 or
+    other backends; an explicit choice is passed through. (Recorded through a stand-in for
+    jax.nn.dot_product_attention: this machine has no cuDNN.)"""
+    from liger_jax.models import llama as model_module
+
+    asked = []
+    refuse = {"cudnn": False}
+
+    def fake(q, k, v, *, implementation, **kw):
+        asked.append(implementation)
+        if implementation == "cudnn" and refuse["cudnn"]:
+            raise ValueError("cuDNN does not support this head_dim")
+        return jnp.zeros(q.shape, q.dtype) + (1.0 if implementation == "cudnn" else 2.0)
+
+    monkeypatch.setattr(model_module.jax.nn, "dot_product_attention", fake)
+    q = jnp.ones((1, 3, 4, 8), jnp.bfloat16)
+    kv = jnp.ones((1, 3, 2, 8), jnp.bfloat16)
+    run = lambda impl, x=q: model_module.attention(x, kv.astype(x.dtype), kv.astype(x.dtype), None, None, 0.3, impl)
+
+    monkeypatch.setattr(model_module.jax, "default_backend", lambda: "gpu")
+    assert float(run(None)[0, 0, 0, 0]) == 1.0 and asked == ["cudnn"]
+    asked.clear()
+    assert float(run(None, q.astype(jnp.float32))[0, 0, 0, 0]) == 2.0 and asked == ["xla"]
+    asked.clear()
+    refuse["cudnn"] = True
+    assert float(run(None)[0, 0, 0, 0]) == 2.0 and asked == ["cudnn", "xla"]
+    asked.clear()
+    with pytest.raises(ValueError, match="cuDNN"):  # asked for explicitly: no silent fallback
+        run("cudnn")
+    asked.clear()
+    monkeypatch.setattr(model_module.jax, "default_backend", lambda: "cpu")
+    refuse["cudnn"] = False
+    assert float(run(None)[0, 0, 0, 0]) == 2.0 and asked == ["xla"]
+    with pytest.raises(ValueError, match="attention_implementation"):
+        model_module.LlamaConfig(attention_implementation="flash")

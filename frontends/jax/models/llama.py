@@ -8,7 +8,9 @@ Flax's leaf names (``kernel`` (in, out), ``bias``, ``embedding``, ``scale``), so
 ``use_kernels`` routes RMSNorm, RoPE, the gated MLP activation (SwiGLU, or GeGLU for gemma) and the loss through
 liger_jax (``True``), none of them (``False``: the pure-XLA baseline) or a chosen subset (a dict /
 :class:`Kernels`). Attention always goes through ``jax.nn.dot_product_attention`` (GQA natively, causal, Mistral's
-sliding window as a local window; the cuDNN flash path on GPU when asked for).
+sliding window as a local window). ``attention_implementation`` picks its backend: ``None`` (default) takes cuDNN's
+flash attention on a GPU for bf16/fp16 (jax's own default would be XLA's, which materialises the (T x T) scores of
+every head: ~190 GiB at Llama-3.2-1B's shape and 4 x 4096 tokens) and XLA elsewhere; "xla" / "cudnn" force one.
 
 Gemma differs from Llama in four places, all config fields: the norms multiply by ``1 + scale`` computed in fp32
 (``norm_offset``, ``norm_casting``), the MLP is GeGLU with the tanh approximation (``hidden_act``), the embeddings
@@ -18,6 +20,7 @@ are multiplied by sqrt(hidden_size) in the compute dtype (``scale_embeddings``),
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -88,6 +91,8 @@ class LlamaConfig:
     scale_embeddings: bool = False  # gemma: embeddings times sqrt(hidden_size), rounded to the compute dtype
     pad_token_id: int | None = None  # HF's Embedding padding_idx: that row gets no gradient from the lookup
     model_type: str = "llama"
+    # jax.nn.dot_product_attention's backend: None picks cuDNN flash attention on a GPU in bf16/fp16, else XLA
+    attention_implementation: str | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -100,6 +105,9 @@ class LlamaConfig:
     def __post_init__(self):
         if self.hidden_act not in ACTIVATIONS:
             raise NotImplementedError(f"hidden_act {self.hidden_act!r}: supported are {sorted(ACTIVATIONS)}")
+        if self.attention_implementation not in (None, "xla", "cudnn"):
+            raise ValueError(f"attention_implementation must be None, 'xla' or 'cudnn', got "
+                             f"{self.attention_implementation!r}")
         if self.norm_casting not in ("llama", "gemma"):
             raise ValueError(f"norm_casting must be 'llama' or 'gemma', got {self.norm_casting!r}")
         if self.num_attention_heads % self.kv_heads:
@@ -190,6 +198,7 @@ class LlamaAttention(nnx.Module):
         self.qk_norm = config.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, d
         self.sliding_window = config.sliding_window
+        self.attention_implementation = config.attention_implementation
         self.use_rope_kernel = kernels.rope
 
     def __call__(self, x, cos, sin, mask=None):
@@ -208,9 +217,24 @@ class LlamaAttention(nnx.Module):
         window = None
         if self.sliding_window is not None and self.sliding_window < t:
             window = (self.sliding_window - 1, 0)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=self.head_dim ** -0.5,
-                                           local_window_size=window)
+        out = attention(q, k, v, mask, window, self.head_dim ** -0.5, self.attention_implementation)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+def attention(q, k, v, mask, window, scale, implementation):
+    """Causal ``jax.nn.dot_product_attention`` of (B, T, H, D) q and (B, T, H_kv, D) k/v. ``implementation``
+    None: cuDNN's flash attention on a GPU for bf16/fp16 inputs (O(T) memory), falling back to XLA where cuDNN
+    refuses the call (a head_dim or mask it does not support); XLA on other backends and dtypes."""
+    call = functools.partial(jax.nn.dot_product_attention, q, k, v, mask=mask, is_causal=True, scale=scale,
+                             local_window_size=window)
+    if implementation is not None:
+        return call(implementation=implementation)
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return call(implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError, TypeError):
+            pass  # checked while tracing: e.g. a head_dim cuDNN's flash attention does not support
+    return call(implementation="xla")
 
 
 class LlamaMLP(nnx.Module):
