@@ -6,16 +6,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Fail fast without a network (the GPU machine has none: pip's default retries cost minutes there).
+PIP_NET="--retries 1 --timeout 20"
 if ! $PY -c "import torch, triton, jax, flax, jax_triton, pytest, xdist, transformers, liger_torch" >/dev/null 2>&1; then
-  $PY -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0" "numpy<2.4" \
+  $PY -m pip install -q --disable-pip-version-check $PIP_NET "torch==2.13.0" "triton==3.6.0" "numpy<2.4" \
     "jax==0.10.2" "jaxlib==0.10.2" "jax-triton==0.3.1" "flax>=0.12,<0.13" 2>&1 | grep -v -E "^WARNING: (Running pip|Location)" || true
-  $PY -m pip install -q --disable-pip-version-check -e ".[dev]" "torch==2.13.0" "numpy<2.4" 2>&1 \
+  $PY -m pip install -q --disable-pip-version-check $PIP_NET -e ".[dev]" "torch==2.13.0" "numpy<2.4" 2>&1 \
     | grep -v -E "^WARNING: (Running pip|Location)" || true
 fi
 # Optional: DeepSpeed for the ZeRO-3 test in tests/distributed (skipped without it). Its ops are JIT-built on use,
 # so DS_BUILD_OPS=0 makes this a pure-Python install; a failure here is not fatal.
 if ! $PY -c "import deepspeed" >/dev/null 2>&1; then
-  DS_BUILD_OPS=0 $PY -m pip install -q --disable-pip-version-check "deepspeed==0.19.8" 2>&1 \
+  DS_BUILD_OPS=0 $PY -m pip install -q --disable-pip-version-check $PIP_NET "deepspeed==0.19.8" 2>&1 \
     | grep -v -E "^WARNING: (Running pip|Location)" || true
 fi
 # The packages must come from this checkout (an editable install of another clone would shadow it).
