@@ -128,8 +128,7 @@ def _cross_entropy_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + offsets
         mask = cols < n_cols
-        # Sweep 2 reads the row again: ask L2 to keep it (a row is at most ~0.5 MB; the rows in flight fit).
-        x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             x = softcap * _tanh(x / softcap)
         z = tl.where(mask, x, float("-inf"))
@@ -197,8 +196,7 @@ def _cross_entropy_kernel(
         for start in range(0, n_cols, BLOCK_V):
             cols = start + offsets
             mask = cols < n_cols
-            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
                 th = _tanh(x / softcap)
                 x = softcap * th
