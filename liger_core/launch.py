@@ -61,13 +61,15 @@ class Buf:
 
 @dataclass(frozen=True)
 class NewBuffer:
-    """A buffer a launch writes: fresh (contiguous, optionally zero-filled) or the memory of input ``alias``."""
+    """A buffer a launch writes: fresh (contiguous, or laid out by ``strides``; optionally zero-filled) or the
+    memory of input ``alias``."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     alias: str | None = None
     zeroed: bool = False
+    strides: tuple[int, ...] | None = None  # element strides of a fresh buffer (a dense layout); None: contiguous
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,19 @@ def collapse_rows(info: ArrayInfo) -> tuple[int, int, int, int] | None:
         if s_outer != s_inner * d_inner:
             return None
     return n_rows, n_cols, lead[-1][1], col_stride
+
+
+def dense_strides(info: ArrayInfo) -> tuple[int, ...] | None:
+    """``info``'s strides when its elements fill a block of exactly ``size`` elements without overlap (a
+    permutation of a contiguous layout, such as a transposed view), else None: the layout a fresh output can
+    copy, as torch's elementwise ops keep their input's memory format."""
+    size = 1
+    for d in info.shape:
+        size *= d
+    if size == 0 or not non_overlapping(info):
+        return None
+    extent = 1 + sum((d - 1) * s for d, s in zip(info.shape, info.strides))
+    return tuple(info.strides) if extent == size else None
 
 
 def non_overlapping(info: ArrayInfo) -> bool:

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, contiguous_strides, next_power_of_2,
-    non_overlapping, promote, warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, contiguous_strides, dense_strides,
+    next_power_of_2, non_overlapping, promote, warps_for,
 )
 from .tl_math import aligned, cast, round_to
 
@@ -251,8 +251,9 @@ def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_i
             outputs.append(NewBuffer(f"{name}_out", src.shape, dtype, alias=name))
             out_strides.append(src.strides)
         else:
-            outputs.append(NewBuffer(f"{name}_out", src.shape, dtype))
-            out_strides.append(contiguous_strides(src.shape))
+            strides = fresh_output_strides(src)
+            outputs.append(NewBuffer(f"{name}_out", src.shape, dtype, strides=strides))
+            out_strides.append(strides or contiguous_strides(src.shape))
     has_pos = position_ids is not None
     if has_pos:
         pos_sb = position_ids.strides[0] if position_ids.ndim == 2 and position_ids.shape[0] != 1 else 0
@@ -277,6 +278,14 @@ def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_i
     )
     inputs = ("q", "k", "cos", "sin") + (("position_ids",) if has_pos else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("q_out", "k_out"))
+
+
+def fresh_output_strides(x: ArrayInfo) -> tuple[int, ...] | None:
+    """The layout of a fresh output for input ``x``: x's own where it is dense (HF's q is a (B, T, H, D) buffer
+    seen as (B, H, T, D), and attention reads HF's embeddings in that layout without a copy), else contiguous
+    (None)."""
+    strides = dense_strides(x)
+    return None if strides is None or strides == contiguous_strides(x.shape) else strides
 
 
 def output_dtype(x_dtype: str, cos_dtype: str) -> str:

@@ -8,12 +8,14 @@ of benchmarks/bench_e2e.py, one provider at a time, as a table of the kernels wi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import bench_e2e
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's benchmarks package
+from benchmarks import bench_e2e  # noqa: E402
 
 
 def profile_provider(model_name: str, provider: str, batch: int, seq: int, steps: int, top: int) -> str:

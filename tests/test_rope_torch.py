@@ -132,6 +132,22 @@ def test_non_contiguous_inputs(dtype, device, seed):
     check(q, k, cos, sin, dtype, gen)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_keep_the_inputs_layout(dtype, device, seed):
+    """As HF's elementwise formula does (its outputs keep q's memory format): a transposed (B, T, H, D) buffer
+    gives embeddings laid out as (B, T, H, D) too, which attention reads without a copy; a sliced (not dense) k
+    gives a contiguous output. Values are checked by test_non_contiguous_inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 7, 8, 64, generator=gen).to(device, dtype).transpose(1, 2)
+    k = torch.randn(2, 7, 2, 96, generator=gen).to(device, dtype)[..., 16:80].transpose(1, 2)
+    cos, sin = (t.to(device) for t in hf_tables(2, 7, 64, dtype, gen))
+    q_embed, k_embed = liger_torch.rope(q, k, cos, sin)
+    hf_q, _ = reference(q, k, cos, sin)
+    assert q_embed.stride() == hf_q.stride() == q.stride()
+    assert k_embed.is_contiguous()
+    assert_close(q_embed, hf_q, dtype, "q_embed")
+
+
 def test_mixed_dtypes_follow_hf_promotion(device, seed):
     """bf16 q/k with fp32 cos/sin: HF returns fp32 embeddings; the gradients come back in bf16."""
     gen = torch.Generator().manual_seed(seed)

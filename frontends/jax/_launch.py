@@ -101,6 +101,8 @@ def _run_triton_call(plan: Plan, inputs) -> tuple[jax.Array, ...]:
     for launch in plan.launches:
         array_names = launch.array_args()
         args = [buffers[a.name] if isinstance(a, Buf) else _scalar(a) for a in launch.args]
+        if any(o.strides is not None for o in launch.outputs):  # jax arrays (and so the plans' inputs) are dense
+            raise AssertionError("a jax_triton output must be contiguous")
         out_shape = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
         aliases = {array_names.index(o.alias): j for j, o in enumerate(launch.outputs) if o.alias is not None}
         zeroed = tuple(j for j, o in enumerate(launch.outputs) if o.zeroed)  # jax needs hashable params

@@ -36,12 +36,15 @@ def define(name: str, schema: str, impl, fake, *, setup_context=None, backward=N
     return op
 
 
-def empty_like(t: torch.Tensor, dtype: str | torch.dtype | None = None, shape=None) -> torch.Tensor:
-    """A fresh contiguous tensor with t's shape (or ``shape``) and dtype (or ``dtype``, a torch dtype or a
-    liger_core dtype name): what the executor allocates for a plan's fresh output."""
+def empty_like(t: torch.Tensor, dtype: str | torch.dtype | None = None, shape=None, strides=None) -> torch.Tensor:
+    """A fresh tensor with t's shape (or ``shape``) and dtype (or ``dtype``, a torch dtype or a liger_core dtype
+    name), contiguous or laid out by ``strides``: what the executor allocates for a plan's fresh output."""
     if isinstance(dtype, str):
         dtype = _TORCH_DTYPES[dtype]
-    return t.new_empty(t.shape if shape is None else shape, dtype=dtype or t.dtype)
+    shape = t.shape if shape is None else shape
+    if strides is not None:
+        return t.new_empty_strided(shape, strides, dtype=dtype or t.dtype)
+    return t.new_empty(shape, dtype=dtype or t.dtype)
 
 
 def absent(like: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from triton import knobs
 
 import liger_core
-from liger_core.launch import ArrayInfo, Buf, Plan, collapse_rows
+from liger_core.launch import ArrayInfo, Buf, Plan, collapse_rows, contiguous_strides
 
 _DTYPE_NAMES = {
     torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -110,11 +110,13 @@ def _allocate(buffers: dict, new, device) -> torch.Tensor:
             raise AssertionError(f"{new.name} cannot be written over {new.alias}: shape or dtype differ")
         return target
     dtype = _TORCH_DTYPES[new.dtype]
+    strides = new.strides or contiguous_strides(new.shape)
+    out = torch.empty_strided(new.shape, strides, dtype=dtype, device=device)
     if new.zeroed:
-        return torch.zeros(new.shape, dtype=dtype, device=device)
+        return out.zero_()
     if POISON_OUTPUTS:
-        return torch.full(new.shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
-    return torch.empty(new.shape, dtype=dtype, device=device)
+        return out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out
 
 
 def run_plan(plan: Plan, **inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:

@@ -57,10 +57,15 @@ class LigerRopeFunction(torch.autograd.Function):
 # torch.compile path (see _custom_ops): the same helpers as custom ops, never in place.
 
 
+def _fresh_like(x, dtype):
+    """The real op's fresh output for input ``x`` (its layout where dense: core.fresh_output_strides)."""
+    return empty_like(x, dtype, strides=core.fresh_output_strides(info(x)))
+
+
 def _forward_fake(q, k, cos, sin, position_ids, head_axis, interleaved):
     cos_dtype = dtype_name(cos.dtype)
-    return (empty_like(q, core.output_dtype(dtype_name(q.dtype), cos_dtype)),
-            empty_like(k, core.output_dtype(dtype_name(k.dtype), cos_dtype)))
+    return (_fresh_like(q, core.output_dtype(dtype_name(q.dtype), cos_dtype)),
+            _fresh_like(k, core.output_dtype(dtype_name(k.dtype), cos_dtype)))
 
 
 def _setup_context(ctx, inputs, output):
@@ -87,7 +92,7 @@ def _backward_op(dq, dk, cos, sin, position_ids, head_axis, interleaved, q_dtype
 
 
 def _backward_fake(dq, dk, cos, sin, position_ids, head_axis, interleaved, q_dtype, k_dtype):
-    return empty_like(dq, q_dtype), empty_like(dk, k_dtype)
+    return _fresh_like(dq, q_dtype), _fresh_like(dk, k_dtype)
 
 
 backward_op = define("rope_backward",
