@@ -214,3 +214,50 @@ def test_backward_launch_variants_agree(prefetch, block_m, device, seed):
     _, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x, w, dy.double())
     assert_close(dx, dx_ref, torch.float32, "dx")
     assert_close(dw, dw_ref, torch.float32, "dw", scale=3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recompute_norm_outputs_frees_the_output_and_gives_the_same_grads(dtype, device, seed):
+    """Inside recompute_norm_outputs(), the linear layers after a norm save a recipe instead of the norm's output
+    (they save a 2-d view of it: the view is rebuilt), so the output is freed after the forward; the backward
+    recomputes it, and every gradient is bitwise the one of keeping it."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(2, 7, 123, generator=gen).to(device, dtype)
+    w0 = (torch.rand(123, generator=gen) + 0.5).to(device, dtype)
+    lins = [torch.nn.Linear(123, 9, dtype=dtype).to(device) for _ in range(2)]
+    g = torch.randn(2, 7, 9, generator=gen).to(device, dtype)
+
+    def run(recompute):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        for lin in lins:
+            lin.zero_grad(set_to_none=True)
+        with liger_torch.recompute_norm_outputs(recompute):
+            y = liger_torch.rms_norm(x, w)
+            out = sum(lin(y) for lin in lins)  # two readers of one output
+        ref = weakref.ref(y)
+        del y
+        gc.collect()
+        freed = ref() is None
+        out.backward(g)
+        return freed, [x.grad, w.grad] + [p.grad for lin in lins for p in lin.parameters()]
+
+    freed_kept, grads_kept = run(False)
+    freed, grads = run(True)
+    assert not freed_kept and freed
+    for a, b in zip(grads, grads_kept):
+        assert torch.equal(a, b)
+
+
+def test_recompute_norm_outputs_refuses_an_input_modified_in_place(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 16, generator=gen).to(device)
+    w = torch.ones(16, device=device, requires_grad=True)
+    lin = torch.nn.Linear(16, 3).to(device)
+    with liger_torch.recompute_norm_outputs():
+        out = lin(liger_torch.rms_norm(x, w)).sum()
+    x.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.backward()

@@ -2,7 +2,7 @@
 
 import liger_core
 
-from .rms_norm import LigerRMSNormFunction, RMSNorm, rms_norm
+from .rms_norm import LigerRMSNormFunction, RMSNorm, recompute_norm_outputs, rms_norm
 from .cross_entropy import CrossEntropyLoss, LigerCrossEntropyFunction, cross_entropy
 from .kl_div import KLDivLoss, LigerKLDivFunction, kl_div
 from .fused_linear_cross_entropy import (FusedLinearCrossEntropyLoss, LigerFusedLinearCrossEntropyFunction,
@@ -17,7 +17,7 @@ from .fused_linear_jsd import FusedLinearJSD, LigerFusedLinearJSDFunction, fused
 
 INTERPRET = liger_core.INTERPRET
 
-__all__ = ["INTERPRET", "LigerRMSNormFunction", "RMSNorm", "rms_norm",
+__all__ = ["INTERPRET", "LigerRMSNormFunction", "RMSNorm", "rms_norm", "recompute_norm_outputs",
            "CrossEntropyLoss", "LigerCrossEntropyFunction", "cross_entropy",
            "KLDivLoss", "LigerKLDivFunction", "kl_div",
            "FusedLinearCrossEntropyLoss", "LigerFusedLinearCrossEntropyFunction", "fused_linear_cross_entropy",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import weakref
+
 import torch
 from torch import nn
 
@@ -34,6 +38,8 @@ class LigerRMSNormFunction(torch.autograd.Function):
         x, y, rstd = _forward(x, weight, eps, offset, casting_mode)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
+        if any(ctx.needs_input_grad[:2]):  # a norm outside the autograd graph saves nothing to replace
+            _register_output(y, x, weight, rstd, eps, offset, casting_mode)
         return y
 
     @staticmethod
@@ -129,3 +135,96 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
                 f"casting_mode={self.casting_mode!r}, in_place={self.in_place}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Norm outputs recomputed instead of saved
+#
+# A norm's output y is the input of the next linear layers (q/k/v, gate/up), which save it for their weight
+# gradient: N x H values a norm, although y is a cheap function of what the norm itself saves (x and rstd). Inside
+# recompute_norm_outputs(), a saved y is replaced by a recipe (through saved-tensor hooks) and recomputed, bitwise
+# the same, when the backward first needs it.
+
+_OUTPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("liger_rms_norm_outputs", default=None)
+
+
+class _NormOutput:
+    """How to recompute one RMSNorm output: the inputs its own backward keeps alive anyway."""
+
+    def __init__(self, y, x, weight, rstd, eps, offset, casting_mode):
+        self.output = weakref.ref(y)
+        self.x, self.weight, self.rstd = x, weight, rstd
+        self.args = (eps, offset, casting_mode)
+        self.x_version = x._version
+        self.recomputed = None  # a weak reference: the q/k/v projections' backwards share one recomputation
+
+    def materialize(self) -> torch.Tensor:
+        y = self.recomputed() if self.recomputed is not None else None
+        if y is None:
+            if self.x._version != self.x_version:
+                raise RuntimeError("an RMSNorm input was modified in place after the forward; its output, needed "
+                                   "by the backward, cannot be recomputed (leave recompute_norm_outputs off; for "
+                                   "patched HF models set LIGER_RECOMPUTE_NORM_OUTPUTS=0)")
+            if self.weight is not None and self.weight.numel() != self.x.shape[-1]:
+                raise RuntimeError(f"an RMSNorm weight has {self.weight.numel()} elements when its output is "
+                                   f"recomputed in the backward (hidden size {self.x.shape[-1]}): a parameter "
+                                   "sharding framework released it; set LIGER_RECOMPUTE_NORM_OUTPUTS=0 (or leave "
+                                   "recompute_norm_outputs off), or keep the norm in the unit of the layers after it")
+            with torch.no_grad():
+                _, y, _ = _forward(self.x, self.weight, *self.args)
+            self.recomputed = weakref.ref(y)
+        return y
+
+
+class _SavedView:
+    """What autograd keeps for a saved tensor that is (a view of) a norm output: the recipe and the view."""
+
+    def __init__(self, recipe: _NormOutput, t: torch.Tensor):
+        self.recipe, self.view = recipe, (t.size(), t.stride(), t.storage_offset())
+        self.version = t._version
+
+    def materialize(self) -> torch.Tensor:
+        y = self.recipe.output()
+        if y is not None and y._version != self.version:
+            raise RuntimeError("an RMSNorm output saved for the backward was modified in place after it was saved")
+        return self.recipe.materialize().as_strided(*self.view)
+
+
+def _register_output(y, x, weight, rstd, eps, offset, casting_mode) -> None:
+    outputs = _OUTPUTS.get()
+    if outputs is not None and type(y) is torch.Tensor and y.numel():
+        outputs[y.untyped_storage().data_ptr()] = _NormOutput(y, x, weight, rstd, eps, offset, casting_mode)
+
+
+def _pack(t):
+    # A linear layer saves a 2-d view of its 3-d input, not the input itself: match by storage (a live output's
+    # storage is shared only by its views) and keep the view's geometry.
+    outputs = _OUTPUTS.get()
+    if outputs and type(t) is torch.Tensor and t.device.type != "meta":
+        recipe = outputs.get(t.untyped_storage().data_ptr())
+        y = recipe.output() if recipe is not None else None
+        if y is not None and y.dtype == t.dtype and y.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            return _SavedView(recipe, t)
+    return t
+
+
+def _unpack(saved):
+    return saved.materialize() if isinstance(saved, _SavedView) else saved
+
+
+@contextlib.contextmanager
+def recompute_norm_outputs(enabled: bool = True):
+    """Within this context, a tensor that autograd saves and that is the output of an ``rms_norm`` call made in
+    the context (the input of q/k/v or gate/up projections) is not kept: the backward recomputes it from the
+    norm's own saved input (one forward pass of the norm, bitwise the same). Saves N x H values per norm (2 GiB
+    over Llama-3.2-1B's 16 layers at 16k tokens). The patched HF causal LMs run their body inside it while
+    training (not under torch.compile or gradient checkpointing, which have their own recomputation)."""
+    if not enabled or _OUTPUTS.get() is not None:
+        yield
+        return
+    token = _OUTPUTS.set({})
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _OUTPUTS.reset(token)

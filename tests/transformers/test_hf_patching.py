@@ -276,3 +276,41 @@ def test_dispatch_and_errors():
         import transformers.models.gemma3.modeling_gemma3 as mg
         assert mg.Gemma3RMSNorm.__name__ == "LigerGemma3RMSNorm" and mg.Gemma3MLP.__name__ == "Gemma3MLP"
     assert mg.Gemma3RMSNorm.__name__ == "Gemma3RMSNorm"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_norm_outputs_are_recomputed_not_saved(family, device, seed, monkeypatch):
+    """While training, the decoder layers' RMSNorm outputs (read by q/k/v and gate/up, which save them for their
+    weight gradients) are freed after the forward and recomputed in the backward: same loss and gradients,
+    bitwise, as keeping them; with LIGER_RECOMPUTE_NORM_OUTPUTS=0 they stay alive until the backward."""
+    import gc
+    import weakref
+
+    ids, labels = batch(seed, device)
+    model = build(family, seed, device)
+    apply_liger_kernel(model)
+    norms = [m for name, m in model.named_modules() if name.endswith(("input_layernorm", "post_attention_layernorm"))]
+    assert norms
+
+    def run(recompute):
+        monkeypatch.setenv("LIGER_RECOMPUTE_NORM_OUTPUTS", "1" if recompute else "0")  # the documented switch
+        outputs = []
+        hooks = [m.register_forward_hook(lambda mod, inp, out: outputs.append(weakref.ref(out))) for m in norms]
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        gc.collect()
+        alive = sum(ref() is not None for ref in outputs)
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        return alive, len(outputs), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    alive_kept, n, loss_kept, grads_kept = run(False)
+    alive, n2, loss, grads = run(True)
+    assert n == n2 == len(norms)
+    assert alive_kept == n  # kept by the projections that read them
+    assert alive == 0  # freed: only a recipe is saved
+    assert torch.equal(loss, loss_kept)
+    for name in grads_kept:
+        assert torch.equal(grads[name], grads_kept[name]), name
