@@ -190,13 +190,16 @@ def _lm_head_loss(head, hidden, target, options):
     return _head_loss(head, hidden, target, options)
 
 
-def _norm_outputs_recomputed(model):
-    """The body's norm outputs are recomputed in the backward instead of saved by the projections that read them
-    (rms_norm.recompute_norm_outputs), except where something else already recomputes (torch.compile, gradient
-    checkpointing) or the environment says LIGER_RECOMPUTE_NORM_OUTPUTS=0."""
-    enabled = (torch.is_grad_enabled() and not compiling() and not getattr(model, "is_gradient_checkpointing", False)
+def _run_recomputing_norm_outputs(model, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the norm outputs recomputed in the backward instead of saved by the projections
+    that read them (rms_norm.recompute_norm_outputs), except where something else already recomputes (torch.compile,
+    gradient checkpointing) or the environment says LIGER_RECOMPUTE_NORM_OUTPUTS=0."""
+    if compiling():  # nothing for dynamo to trace: no hooks, no context manager
+        return fn(*args, **kwargs)
+    enabled = (torch.is_grad_enabled() and not getattr(model, "is_gradient_checkpointing", False)
                and os.environ.get("LIGER_RECOMPUTE_NORM_OUTPUTS", "1") != "0")
-    return recompute_norm_outputs(enabled)
+    with recompute_norm_outputs(enabled):
+        return fn(*args, **kwargs)
 
 
 def _fused_forward(self, family, params, kwargs):
@@ -215,8 +218,7 @@ def _fused_forward(self, family, params, kwargs):
             router = bool(getattr(self.config, "output_router_logits", False))
         kwargs["output_router_logits"] = router
     body = getattr(self, self.base_model_prefix)
-    with _norm_outputs_recomputed(self):
-        outputs = body(**kwargs)
+    outputs = _run_recomputing_norm_outputs(self, body, **kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     hidden = _keep(hidden, logits_to_keep, 1)
     target = _targets(labels, shift_labels, ignore_index, logits_to_keep, hidden.shape[1], hidden.device)
@@ -240,8 +242,7 @@ def _ce_forward(self, family, original, params, kwargs):
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    with _norm_outputs_recomputed(self):
-        out = original(self, **kwargs, return_dict=True)
+    out = _run_recomputing_norm_outputs(self, original, self, **kwargs, return_dict=True)
     logits = out.logits
     target = _targets(labels, shift_labels, ignore_index, kwargs.get("logits_to_keep", 0), logits.shape[1],
                       logits.device)
