@@ -39,7 +39,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
         if any(ctx.needs_input_grad[:2]):  # a norm outside the autograd graph saves nothing to replace
-            _register_output(y, x, weight, rstd, eps, offset, casting_mode)
+            _register_output(y, x, weight, eps, offset, casting_mode)
         return y
 
     @staticmethod
@@ -149,11 +149,12 @@ _OUTPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("liger_rm
 
 
 class _NormOutput:
-    """How to recompute one RMSNorm output: the inputs its own backward keeps alive anyway."""
+    """How to recompute one RMSNorm output: the input and weight its own backward keeps alive anyway (the forward
+    recomputes rstd too: one row reduction, cheaper than keeping a second reference to it)."""
 
-    def __init__(self, y, x, weight, rstd, eps, offset, casting_mode):
+    def __init__(self, y, x, weight, eps, offset, casting_mode):
         self.output = weakref.ref(y)
-        self.x, self.weight, self.rstd = x, weight, rstd
+        self.x, self.weight = x, weight
         self.args = (eps, offset, casting_mode)
         self.x_version = x._version
         self.recomputed = None  # a weak reference: the q/k/v projections' backwards share one recomputation
@@ -190,10 +191,10 @@ class _SavedView:
         return self.recipe.materialize().as_strided(*self.view)
 
 
-def _register_output(y, x, weight, rstd, eps, offset, casting_mode) -> None:
+def _register_output(y, x, weight, eps, offset, casting_mode) -> None:
     outputs = _OUTPUTS.get()
     if outputs is not None and type(y) is torch.Tensor and y.numel():
-        outputs[y.untyped_storage().data_ptr()] = _NormOutput(y, x, weight, rstd, eps, offset, casting_mode)
+        outputs[y.untyped_storage().data_ptr()] = _NormOutput(y, x, weight, eps, offset, casting_mode)
 
 
 def _pack(t):
