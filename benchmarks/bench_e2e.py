@@ -5,7 +5,7 @@ tokens (never zeros).
   a fresh model: ``hf_eager``, ``hf+liger_torch`` (``liger_torch.apply_liger_kernel(model)``) and
   ``hf+liger_kernel`` (Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)``, when importable; the
   module-level patches it also makes are undone after the task). For each: tokens/s and peak memory at each
-  sequence length with the same tokens per step (16 x 1024 ... 1 x 16384), then, in another fresh model, the
+  sequence length with the same tokens per step (16 x 1024 ... 1 x 16384; 1 x 65536 on top), then, in another fresh model, the
   longest sequence (batch 1) that fits: doubling until out of memory, then bisection.
 - The Flax model ``liger_jax.models.LlamaForCausalLM`` with ``use_kernels=False`` (``flax_xla``) and ``True``
   (``flax+liger_jax``), optax AdamW, a jitted step with donated parameters and optimizer state, on the same
@@ -62,8 +62,8 @@ def settings(quick: bool, smoke: bool) -> Settings:
     if smoke:
         return Settings(SMOKE_MODELS, (16,), 16, (16,), 0, 1, 32, 128, 16, simulate_oom_above=48)
     if quick:
-        return Settings(MODELS, (1024, 4096, 16384), 16384, (4096,), 2, 3, 16384, 131072, 16384)
-    return Settings(MODELS, (1024, 2048, 4096, 8192, 16384), 16384, (1024, 4096, 16384), 2, 5, 8192,
+        return Settings(MODELS, (1024, 4096, 16384, 65536), 16384, (4096,), 2, 3, 16384, 131072, 16384)
+    return Settings(MODELS, (1024, 2048, 4096, 8192, 16384, 65536), 16384, (1024, 4096, 16384), 2, 5, 8192,
                     MAX_POSITIONS, 4096)
 
 

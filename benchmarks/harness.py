@@ -14,8 +14,10 @@ Timing:
   time, an op run alone is launch-bound); ~25 ms of warm-up, then ~100 ms of repetitions and at least
   ``min_reps`` of them; all repetition times are kept (median, p20, p80).
 - jax: host clock around several queued calls and one ``block_until_ready`` (jax runs on its own stream); inputs
-  that fit in L2 are rotated between copies, larger ones donated (each call a fresh copy made before the clock
-  starts), as a model's intermediates are: an op writing over its operand is not charged with a defensive copy.
+  that fit in L2 are rotated between copies; of larger ones, those whose donation removes a copy from the
+  compiled program are donated (each call a fresh copy made before the clock starts), as a model's
+  intermediates are: an op writing over its operand is not charged with a defensive copy, and an op that only
+  reads its operand is not charged with a copy into a donated buffer.
 - CPU (``--smoke``: tiny shapes, kernels in Triton's interpreter): host clock, few repetitions. These numbers
   test the code path, not the kernels.
 
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -681,22 +684,55 @@ def jax_runner(fn, *args):
     return run
 
 
+_HLO_COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+copy(?:-start)?\(")
+_HLO_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
+             "f32": 32, "s64": 64, "u64": 64, "f64": 64}
+
+
+def hlo_copy_bytes(compiled) -> int:
+    """Bytes written by the ``copy`` instructions of a compiled XLA program (its optimised HLO)."""
+    total = 0
+    for dtype, dims in _HLO_COPY.findall(compiled.as_text()):
+        count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += count * _HLO_BITS.get(dtype, 32) // 8
+    return total
+
+
 def donating_jax_runner(fn, *args):
-    """A runner whose program takes its arguments donated, each call a fresh copy of ``args`` made by
-    ``run.prepare(n)`` (untimed; ``n`` copies ready). In a training step an op's operands are intermediates that
-    XLA may overwrite: an op that writes its result over an operand (our kernels' ``input_output_aliases``, or
-    XLA's own buffer reuse) must not be charged with the copy XLA inserts to keep a caller's buffer intact, which
-    is what a plain ``jit`` of a benchmark function with live arguments measures. ``args`` themselves are never
-    donated."""
+    """A runner whose program takes the arguments it can overwrite donated, each call a fresh copy of them made
+    by ``run.prepare(n)`` (untimed; ``n`` copies ready). In a training step an op's operands are intermediates
+    that XLA may overwrite: an op that writes its result over an operand (our kernels' ``input_output_aliases``,
+    or XLA's own buffer reuse) must not be charged with the copy XLA inserts to keep a caller's buffer intact,
+    which is what a plain ``jit`` of a benchmark function with live arguments measures.
+
+    Donation is not free either: jax ties a donated buffer to an output of the same shape, and where the op
+    cannot write that output in place (an rms_norm forward reads x while writing y) XLA adds a copy into the
+    donated buffer. So each argument array is donated only if that removes copy bytes from the compiled program
+    (greedily, in argument order). ``args`` themselves are never donated."""
     import jax
     import jax.numpy as jnp
 
-    compiled = jax.jit(fn, donate_argnums=tuple(range(len(args)))).lower(*args).compile()
+    leaves, treedef = jax.tree.flatten(args)
+
+    def flat_fn(*flat):
+        return fn(*jax.tree.unflatten(treedef, flat))
+
+    def compile_donating(donated):
+        return jax.jit(flat_fn, donate_argnums=tuple(sorted(donated)), keep_unused=True).lower(*leaves).compile()
+
+    donated: set[int] = set()
+    compiled = compile_donating(donated)
+    copies = hlo_copy_bytes(compiled)
+    for i in range(len(leaves)):
+        trial = compile_donating(donated | {i})
+        trial_copies = hlo_copy_bytes(trial)
+        if trial_copies < copies:
+            donated, compiled, copies = donated | {i}, trial, trial_copies
     pool = []
 
     def prepare(n: int = 1):
         while len(pool) < n:
-            pool.append(jax.tree.map(jnp.copy, args))
+            pool.append([jnp.copy(x) if i in donated else x for i, x in enumerate(leaves)])
         jax.block_until_ready(pool)
 
     def run():
@@ -705,6 +741,7 @@ def donating_jax_runner(fn, *args):
         return compiled(*pool.pop())
 
     run.prepare = prepare
+    run.donated = tuple(sorted(donated))
     run.peak_extra_MB = jax_extra_mb(compiled)
     return run
 
