@@ -370,6 +370,7 @@ def measure_ceilings() -> dict:
         mm_ms = statistics.median(_time_cuda(lambda: a @ b, 50, 200, 10, 1000))
         del a, b
         torch.cuda.empty_cache()
+        jax_gbps = _jax_copy_gbps(src_bytes=2 * 1024**3)
     else:
         src = torch.randn(2**20)
         dst = torch.empty_like(src)
@@ -379,8 +380,33 @@ def measure_ceilings() -> dict:
         a = torch.randn(n, n, dtype=torch.bfloat16)
         b = torch.randn(n, n, dtype=torch.bfloat16)
         mm_ms = statistics.median(_time_host(lambda: a @ b, 3, 5, 0.0))
-    return {"copy_GBps": round(copy_gbps, 1), "bf16_matmul_TFLOPs": round(2 * n**3 / mm_ms / 1e9, 3),
-            "device": device()}
+        jax_gbps = None
+    out = {"copy_GBps": round(copy_gbps, 1), "bf16_matmul_TFLOPs": round(2 * n**3 / mm_ms / 1e9, 3),
+           "device": device()}
+    if jax_gbps:
+        out["jax_copy_GBps"] = round(jax_gbps, 1)
+    return out
+
+
+def _jax_copy_gbps(src_bytes: int) -> float | None:
+    """Bandwidth of an XLA elementwise op (read + write, fresh output) timed by :func:`time_jax`: the jax
+    columns' timer on the copy ceiling's bytes, so a jax-vs-torch gap can be told apart from the timing method.
+    None where jax has no GPU."""
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        if jax.default_backend() != "gpu":
+            return None
+        x = jax.random.normal(jax.random.key(11), (src_bytes // 4,), jnp.float32)
+        negate = jax.jit(lambda v: -v)
+        jax.block_until_ready(negate(x))
+        ms = statistics.median(time_jax(lambda: negate(x)))
+        del x
+        return 2 * src_bytes / ms / 1e6
+    except Exception:  # a ceiling that cannot be measured is left out, not fatal
+        traceback.print_exc()
+        return None
 
 
 def torch_machine() -> dict:

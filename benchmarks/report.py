@@ -192,7 +192,8 @@ def e2e_section(points: list[dict], plot: str | None) -> list[str]:
     dtypes = "/".join(sorted({str(p.get("dtype")) for p in points if p.get("dtype")})) or "bf16"
     lines += [f"One training step (forward, backward, AdamW) of a Llama-family model, {dtypes}, random weights and "
               "random tokens; HF: transformers with sdpa attention, fused AdamW, no gradient checkpointing; "
-              "Flax: `liger_jax.models.LlamaForCausalLM` (XLA attention) with optax AdamW. Cells: tokens/s "
+              "Flax: `liger_jax.models.LlamaForCausalLM` (attention through `jax.nn.dot_product_attention`, cuDNN on "
+              "the GPU) with optax AdamW. Cells: tokens/s "
               "(median step), peak memory (torch: max allocated during the timed steps, parameters and "
               "optimizer state included; jax: XLA's compiled-program memory, arguments + temporaries + "
               "outputs - donated).", ""]
@@ -384,7 +385,10 @@ def _header(results: dict) -> list[str]:
     if ceilings:
         lines += [f"Ceilings measured in the same run: copy {ceilings.get('copy_GBps')} GB/s (bytes read + "
                   f"written), bf16 matmul {ceilings.get('bf16_matmul_TFLOPs') or ceilings.get('matmul_TFLOPs')} "
-                  "TFLOP/s.", ""]
+                  "TFLOP/s." + (f" The jax timer on an XLA elementwise op of the same bytes: "
+                                f"{ceilings['jax_copy_GBps']} GB/s (the jax columns' timing method, for "
+                                "comparing them with the torch ones)." if ceilings.get("jax_copy_GBps") else ""),
+                  ""]
     runs = results.get("runs") or []
     if runs:
         lines += ["Runs merged into this file: " + "; ".join(

@@ -307,3 +307,16 @@ def test_donating_jax_runner_donates_only_what_removes_a_copy():
     np.testing.assert_array_equal(np.asarray(a), expected_a)
     np.testing.assert_array_equal(np.asarray(b), np.asarray(y) * 2.0)
     assert not x.is_deleted() and not y.is_deleted()
+
+
+def test_jax_copy_ceiling_is_measured_with_the_jax_timer(monkeypatch):
+    """The jax columns' timer on an elementwise op: a positive bandwidth where jax has a GPU (faked here, on
+    small bytes), None where it has none."""
+    import jax
+
+    from benchmarks import harness
+
+    assert harness._jax_copy_gbps(src_bytes=2**16) is None or jax.default_backend() == "gpu"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    gbps = harness._jax_copy_gbps(src_bytes=2**16)
+    assert gbps is not None and gbps > 0
