@@ -21,16 +21,17 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
-from .rms_norm import CASTING_MODES, _check_inputs, normalize_and_scale, output_dtype
+from .rms_norm import CASTING_MODES, _check_inputs, load_backward_rows, normalize_and_scale, output_dtype
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 from .tl_math import aligned, cast, round_to
 
-# Launch configuration (not yet swept on the H200; the plans take overrides for tuning). Forward as RMSNorm's
-# tuned forward: ~4k elements of x per program. Backward: persistent, a few programs per SM; the tile is half of
-# RMSNorm's because each row block holds three input tiles (dy, dh, h) next to the fp32 dw accumulator.
+# Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
+# tuned backward: one persistent program per SM (16 warps at ~110 registers fill an SM's register file),
+# 8k-element tiles with the next tile prefetched (not yet swept on the H200 for this kernel itself; the plans
+# take overrides for tuning).
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 8192
-_BACKWARD_PROGRAMS_PER_SM = 2
+_BACKWARD_PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -81,8 +82,10 @@ def _fused_add_rms_norm_backward_kernel(
     rows_per_group, n_cols, offset, rows_per_program,
     DX, DR, DW_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    """Persistent, as RMSNorm's backward: with PREFETCH the next tile's dy, h and rstd are loaded before the
+    current tile is computed (dh, read once at the end of a tile, is not prefetched)."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     dh_row_stride = aligned(dh_row_stride, ALIGN)
     h_row_stride = aligned(h_row_stride, ALIGN)
@@ -100,14 +103,22 @@ def _fused_add_rms_norm_backward_kernel(
     if HAS_WEIGHT:
         w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        next_dy, next_h, next_rstd = load_backward_rows(
+            DY, dy_row_stride, dy_col_stride, H, h_row_stride, h_col_stride, RSTD,
+            first_row, row_begin + tl.arange(0, BLOCK_M), row_end, cols, col_mask)
     for start in range(0, rows_per_program, BLOCK_M):
         local = row_begin + start + tl.arange(0, BLOCK_M)
+        if PREFETCH:
+            dy, h, rstd = next_dy, next_h, next_rstd
+            next_dy, next_h, next_rstd = load_backward_rows(
+                DY, dy_row_stride, dy_col_stride, H, h_row_stride, h_col_stride, RSTD,
+                first_row, local + BLOCK_M, row_end, cols, col_mask)
+        else:
+            dy, h, rstd = load_backward_rows(DY, dy_row_stride, dy_col_stride, H, h_row_stride, h_col_stride,
+                                             RSTD, first_row, local, row_end, cols, col_mask)
         rows = first_row + local.to(tl.int64)
-        row_mask = local < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
-        h = tl.load(H + rows[:, None] * h_row_stride + cols[None, :] * h_col_stride, mask=mask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        mask = (local < row_end)[:, None] & col_mask[None, :]
         dy = dy.to(tl.float32)
         normed = h.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
@@ -185,7 +196,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
                   x_dtype: str, residual_dtype: str, offset: float = 0.0, casting_mode: str = "llama",
                   num_sms: int, in_place: bool = True, separate_residual_grad: bool = True,
                   groups: int = 1, programs_per_sm: int | None = None, block_m: int | None = None,
-                  num_warps: int | None = None) -> Plan:
+                  num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
     """Plan for ``dx, dresidual, dw = fused_add_rms_norm_backward(dy, dh, h, weight, rstd)``.
 
     Inputs ``dy`` (gradient of y), ``dh`` (gradient of the returned h; None when it has none), ``h``, ``rstd``
@@ -193,7 +204,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     ``separate_residual_grad`` (else dresidual is dx: a caller may only skip it when the dtypes agree), then
     ``dw`` with a weight. With ``in_place``, dx is written over dy and dresidual over dh where the dtypes agree
     and the gradient is dense. ``groups`` as in :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``,
-    ``block_m`` and ``num_warps`` override the launch configuration (for tuning).
+    ``block_m``, ``num_warps`` and ``prefetch`` override the launch configuration (for tuning).
     """
     _check_inputs(h, weight, casting_mode)
     check_finite(offset, "offset")
@@ -212,6 +223,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     group_rows = rows_in_group(n_rows, groups)
     block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
+    if prefetch is None:
+        prefetch = block_m * block_n <= _BACKWARD_TILE
     grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
     n_programs = grid.n_programs
     dx, *dx_strides = gradient_output("dx", h.shape, x_dtype, "dy" if in_place else None, dy, n_rows, n_cols)
@@ -232,7 +245,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
               group_rows, n_cols, float(offset), grid.rows_per_program),
         outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
-                    "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad},
+                    "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad,
+                    "PREFETCH": prefetch},
         num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)

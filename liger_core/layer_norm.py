@@ -25,12 +25,13 @@ from .launch import (
 from .reduce import sum_partials_launch
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 
-# Launch configuration (not yet swept on the H200; the plans take overrides for tuning). Forward as RMSNorm's
-# tuned forward: ~4k elements of x per program. Backward: persistent, a few programs per SM; the tile is half of
-# RMSNorm's because two fp32 accumulators (dw, db) live in registers next to the dy and x tiles.
+# Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
+# tuned backward: one persistent program per SM (16 warps x 116 registers fill an SM's register file: a second
+# program cannot be resident), 8k-element tiles with the next tile prefetched (not yet swept on the H200 for
+# LayerNorm itself; the plans take overrides for tuning).
 _FORWARD_TILE = 4096
 _BACKWARD_TILE = 8192
-_BACKWARD_PROGRAMS_PER_SM = 2
+_BACKWARD_PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -71,6 +72,19 @@ def _layer_norm_forward_kernel(
 
 
 @triton.jit
+def _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, MEAN, RSTD,
+                        first_row, local, row_end, cols, col_mask):
+    rows = first_row + local.to(tl.int64)
+    row_mask = local < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return dy, x, mean, rstd
+
+
+@triton.jit
 def _layer_norm_backward_kernel(
     DY, dy_row_stride, dy_col_stride,
     X, x_row_stride, x_col_stride,
@@ -79,8 +93,11 @@ def _layer_norm_backward_kernel(
     dx_row_stride, dx_col_stride,
     rows_per_group, n_cols, rows_per_program,
     DX, DW_PARTIAL, DB_PARTIAL,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
+    PREFETCH the next tile's loads are issued before the current tile is computed (as RMSNorm's backward)."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
     dx_row_stride = aligned(dx_row_stride, ALIGN)
@@ -98,15 +115,23 @@ def _layer_norm_backward_kernel(
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        next_dy, next_x, next_mean, next_rstd = _load_backward_rows(
+            DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, MEAN, RSTD,
+            first_row, row_begin + tl.arange(0, BLOCK_M), row_end, cols, col_mask)
     for start in range(0, rows_per_program, BLOCK_M):
         local = row_begin + start + tl.arange(0, BLOCK_M)
+        if PREFETCH:
+            dy, x, mean, rstd = next_dy, next_x, next_mean, next_rstd
+            next_dy, next_x, next_mean, next_rstd = _load_backward_rows(
+                DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, MEAN, RSTD,
+                first_row, local + BLOCK_M, row_end, cols, col_mask)
+        else:
+            dy, x, mean, rstd = _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride,
+                                                    x_col_stride, MEAN, RSTD, first_row, local, row_end, cols,
+                                                    col_mask)
         rows = first_row + local.to(tl.int64)
-        row_mask = local < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
-        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        mask = (local < row_end)[:, None] & col_mask[None, :]
         dy = dy.to(tl.float32)
         xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         if HAS_WEIGHT:
@@ -189,14 +214,14 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
 @functools.lru_cache(maxsize=1024)
 def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *,
                   num_sms: int, in_place: bool = True, groups: int = 1, programs_per_sm: int | None = None,
-                  block_m: int | None = None, num_warps: int | None = None) -> Plan:
+                  block_m: int | None = None, num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
     """Plan for ``dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)``.
 
     Inputs ``dy``, ``x``, ``mean``, ``rstd`` (and ``weight`` when given; the bias itself is not read, only its
     dtype); outputs ``dx``, then ``dw`` with a weight and ``db`` with a bias. With ``in_place`` and dy of x's
     dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal blocks (a folded vmap batch)
     and dw / db have shape (groups, n_cols): one parameter gradient per block. ``programs_per_sm``,
-    ``block_m`` and ``num_warps`` override the launch configuration (for tuning).
+    ``block_m``, ``num_warps`` and ``prefetch`` override the launch configuration (for tuning).
     """
     _check_inputs(x, weight, bias, "weight", "bias")
     if tuple(dy.shape) != tuple(x.shape):
@@ -207,6 +232,8 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
     group_rows = rows_in_group(n_rows, groups)
     block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
+    if prefetch is None:
+        prefetch = block_m * block_n <= _BACKWARD_TILE
     grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
     n_programs = grid.n_programs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
@@ -222,7 +249,8 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
               group_rows, n_cols, grid.rows_per_program),
         outputs=(dx, NewBuffer("dw_partial", partial_shape if has_weight else (1,), "float32"),
                  NewBuffer("db_partial", partial_shape if has_bias else (1,), "float32")),
-        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
+                    "PREFETCH": prefetch},
         num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy", "x") + (("weight",) if has_weight else ()) + ("mean", "rstd")

@@ -90,7 +90,7 @@ def _rms_norm_forward_kernel(
 
 
 @triton.jit
-def _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
+def load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
                         first_row, local, row_end, cols, col_mask):
     rows = first_row + local.to(tl.int64)
     row_mask = local < row_end
@@ -131,18 +131,18 @@ def _rms_norm_backward_kernel(
         w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
-        next_dy, next_x, next_rstd = _load_backward_rows(
+        next_dy, next_x, next_rstd = load_backward_rows(
             DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
             first_row, row_begin + tl.arange(0, BLOCK_M), row_end, cols, col_mask)
     for start in range(0, rows_per_program, BLOCK_M):
         local = row_begin + start + tl.arange(0, BLOCK_M)
         if PREFETCH:
             dy, x, rstd = next_dy, next_x, next_rstd
-            next_dy, next_x, next_rstd = _load_backward_rows(
+            next_dy, next_x, next_rstd = load_backward_rows(
                 DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
                 first_row, local + BLOCK_M, row_end, cols, col_mask)
         else:
-            dy, x, rstd = _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
+            dy, x, rstd = load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
                                               RSTD, first_row, local, row_end, cols, col_mask)
         rows = first_row + local.to(tl.int64)
         mask = (local < row_end)[:, None] & col_mask[None, :]

@@ -239,3 +239,26 @@ def test_fp16_rounding_points_match_hf(mode, device, seed):
     # |w| ulp(normed) plus y's own half ulp, i.e. up to 2 ulp of y; gemma rounds once (1 ulp).
     ulps = 2 if mode == "llama" else 1
     assert ((y.float() - y_ref.float()).abs() <= ulps * (y_ref.float().abs() * 2 ** -10 + 2 ** -24)).all()
+
+
+@pytest.mark.parametrize("prefetch,block_m", [(False, 1), (True, 1), (False, 4), (True, 4)])
+@pytest.mark.parametrize("with_dh", [True, False])
+def test_backward_launch_variants_agree(prefetch, block_m, with_dh, device, seed):
+    """The backward's launch variants (prefetching the next tile or not, tile height; 3 programs over 37 rows,
+    so tiles run past a program's last row), with and without an incoming gradient for h."""
+    from liger_core import fused_add_rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, r, w, gy, gh = draw(seed, (37, 123), torch.float32, device=device)
+    _, h, rstd = run_plan(core.forward_plan(info(x), info(r), info(w), eps=1e-6), x=x, residual=r, weight=w)
+    dh = gh if with_dh else None
+    plan = core.backward_plan(info(gy), None if dh is None else info(dh), info(h), info(w), x_dtype="float32",
+                              residual_dtype="float32", num_sms=3, in_place=False, block_m=block_m,
+                              prefetch=prefetch)
+    inputs = dict(dy=gy, h=h, weight=w, rstd=rstd, **({"dh": dh} if with_dh else {}))
+    dx, dr, dw = run_plan(plan, **inputs)
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x.double(), r.double(), w.double(),
+               gy.double(), dh.double() if with_dh else None)
+    assert_close(dx, want[2], torch.float32, "dx")
+    assert_close(dr, want[3], torch.float32, "dresidual")
+    assert_close(dw, want[4], torch.float32, "dw", scale=3.0)
