@@ -63,6 +63,17 @@ def _activation_and_derivative(a, ACT: tl.constexpr):
 
 
 @triton.jit
+def _tile_indices(n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row and column indices of this program's tile. Programs are numbered column block first, so
+    neighbouring programs read neighbouring bytes of the same rows (the grid is 1-d: no 65535 limit)."""
+    program = tl.program_id(0)
+    col_blocks = tl.cdiv(n_cols, BLOCK_N)
+    rows = (program // col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (program % col_blocks).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols
+
+
+@triton.jit
 def _gated_forward_kernel(
     A, a_row_stride, a_col_stride,
     B, b_row_stride, b_col_stride,
@@ -73,8 +84,7 @@ def _gated_forward_kernel(
     a_row_stride = aligned(a_row_stride, ALIGN)
     b_row_stride = aligned(b_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, cols = _tile_indices(n_cols, BLOCK_M, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     a = tl.load(A + rows[:, None] * a_row_stride + cols[None, :] * a_col_stride, mask=mask, other=0.0)
     b = tl.load(B + rows[:, None] * b_row_stride + cols[None, :] * b_col_stride, mask=mask, other=0.0)
@@ -101,8 +111,7 @@ def _gated_backward_kernel(
     da_row_stride = aligned(da_row_stride, ALIGN)
     db_row_stride = aligned(db_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, cols = _tile_indices(n_cols, BLOCK_M, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     dc = tl.load(DC + rows[:, None] * dc_row_stride + cols[None, :] * dc_col_stride, mask=mask, other=0.0)
     a = tl.load(A + rows[:, None] * a_row_stride + cols[None, :] * a_col_stride, mask=mask, other=0.0)
@@ -176,7 +185,7 @@ def forward_plan(a: ArrayInfo, b: ArrayInfo, *, activation: str) -> Plan:
     block_m, block_n = _tile(n_rows, n_cols)
     launch = Launch(
         kernel=_gated_forward_kernel,
-        grid=(cdiv(n_rows, block_m), cdiv(n_cols, block_n)),
+        grid=(cdiv(n_rows, block_m) * cdiv(n_cols, block_n),),
         args=(Buf("a"), a_rs, a_cs, Buf("b"), b_rs, b_cs, n_rows, n_cols),
         outputs=(NewBuffer("c", a.shape, a.dtype),),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": ACTIVATIONS[activation]},
@@ -208,7 +217,7 @@ def backward_plan(dc: ArrayInfo, a: ArrayInfo, b: ArrayInfo, *, activation: str,
     block_m, block_n = _tile(n_rows, n_cols)
     launch = Launch(
         kernel=_gated_backward_kernel,
-        grid=(cdiv(n_rows, block_m), cdiv(n_cols, block_n)),
+        grid=(cdiv(n_rows, block_m) * cdiv(n_cols, block_n),),
         args=(Buf("dc"), dc_rs, dc_cs, Buf("a"), a_rs, a_cs, Buf("b"), b_rs, b_cs, *strides, n_rows, n_cols),
         outputs=tuple(outputs),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": ACTIVATIONS[activation]},
