@@ -23,10 +23,11 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
+from .rms_norm import load_backward_rows
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
-# tuned backward: one persistent program per SM (16 warps x 116 registers fill an SM's register file: a second
+# tuned backward: one persistent program per SM (16 warps x 117 registers fill an SM's register file: a second
 # program cannot be resident), 8k-element tiles with the next tile prefetched (not yet swept on the H200 for
 # LayerNorm itself; the plans take overrides for tuning).
 _FORWARD_TILE = 4096
@@ -74,13 +75,10 @@ def _layer_norm_forward_kernel(
 @triton.jit
 def _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, MEAN, RSTD,
                         first_row, local, row_end, cols, col_mask):
-    rows = first_row + local.to(tl.int64)
-    row_mask = local < row_end
-    mask = row_mask[:, None] & col_mask[None, :]
-    dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
-    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    """RMSNorm's tile loads (dy, x, rstd), plus the rows' means."""
+    dy, x, rstd = load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
+                                     first_row, local, row_end, cols, col_mask)
+    mean = tl.load(MEAN + first_row + local.to(tl.int64), mask=local < row_end, other=0.0)
     return dy, x, mean, rstd
 
 
