@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels (.whl/, from ../shared/device-wheels.sh) and this
 # repo, run the whole test suite on the GPU, then the benchmarks, and print a short table.
-#   scripts/gpu_check.sh [all|tests|bench|demo|profile] [extra args for `python -m benchmarks run`, or for
-#   scripts/profile_e2e.py with profile]
+#   scripts/gpu_check.sh [all|tests|bench|demo|profile|script] [extra args for `python -m benchmarks run`, or
+#   for scripts/profile_e2e.py with profile; with script: a script and its args, e.g.
+#   script scripts/tune_norm_backward.py --out "$OUT/tune_norm_backward.txt"]
 # Logs and results land in $OUT (the device tool brings them back) and benchmarks/results/.
 #   e.g. scripts/gpu_check.sh bench --quick --kernels rms_norm layer_norm fused_add_rms_norm rope swiglu
 #        scripts/gpu_check.sh bench --quick --kernels e2e --match "e2e hf"     (then --match "e2e flax")
@@ -38,6 +39,10 @@ if [ "$what" = demo ]; then  # the README's main job at its GPU size
 fi
 if [ "$what" = profile ]; then  # where an e2e training step's GPU time goes, per kernel
   python3 scripts/profile_e2e.py --out "$OUT/profile_e2e.txt" "$@" 2>&1 | tail -80
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = script ]; then  # a tuning or probe script, after the same installation
+  python3 "$@" 2>&1 | tail -150
   status=${PIPESTATUS[0]}
 fi
 exit $status

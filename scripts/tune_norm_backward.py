@@ -1,0 +1,89 @@
+"""GPU sweep of the LayerNorm and fused add+RMSNorm backward launch configurations (prefetch, programs per SM,
+tile height, warps), timed with CUDA graphs, against the copy floor. Prints one table; the default
+configuration is marked with *.
+
+    python3 scripts/tune_norm_backward.py [--out FILE]
+"""
+
+import argparse
+import itertools
+
+import torch
+import triton.testing
+
+from liger_core import fused_add_rms_norm, layer_norm
+from liger_torch._launch import info, num_sms, run_plan
+
+SHAPES = [(16384, 4096), (65536, 4096), (4096, 16384)]
+SHORT = {"prefetch": "pf", "programs_per_sm": "per_sm", "block_m": "bm", "num_warps": "warps"}
+COPY_BYTES_PER_S = 4.25e12  # the H200's measured copy bandwidth (benchmarks/results, ceilings)
+
+
+def graph_ms(fn):
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def layer_norm_case(n, h):
+    """(plan builder, inputs, bytes the backward must move): reads dy and x, writes dx."""
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5
+    b = torch.randn(h, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    _, mean, rstd = run_plan(layer_norm.forward_plan(info(x), info(w), info(b), eps=1e-5), x=x, weight=w, bias=b)
+
+    def plan(**overrides):
+        return layer_norm.backward_plan(info(dy), info(x), info(w), info(b), num_sms=num_sms(x.device),
+                                        in_place=False, **overrides)
+
+    return plan, dict(dy=dy, x=x, weight=w, mean=mean, rstd=rstd), 3 * n * h * 2
+
+
+def fused_add_case(n, h):
+    """Reads dy, dh and h, writes dx and dresidual."""
+    x, r, dy, dh = (torch.randn(n, h, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    w = torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5
+    _, hsum, rstd = run_plan(fused_add_rms_norm.forward_plan(info(x), info(r), info(w), eps=1e-6),
+                             x=x, residual=r, weight=w)
+
+    def plan(**overrides):
+        return fused_add_rms_norm.backward_plan(info(dy), info(dh), info(hsum), info(w), x_dtype="bfloat16",
+                                                residual_dtype="bfloat16", num_sms=num_sms(x.device),
+                                                in_place=False, **overrides)
+
+    return plan, dict(dy=dy, dh=dh, h=hsum, weight=w, rstd=rstd), 5 * n * h * 2
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", help="also write the table to this file")
+    args = parser.parse_args()
+    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
+             f"{'kernel':<20}{'shape':<12}{'config':<34}{'ms':>8}{'of floor':>10}"]
+    print("\n".join(lines), flush=True)
+    for (name, make), (n, h) in itertools.product((("layer_norm", layer_norm_case),
+                                                   ("fused_add_rms_norm", fused_add_case)), SHAPES):
+        plan, inputs, nbytes = make(n, h)
+        floor = nbytes / COPY_BYTES_PER_S * 1e3
+        configs = [{}] + [dict(prefetch=p, programs_per_sm=s, block_m=bm, num_warps=w)
+                          for p, s, bm, w in itertools.product((False, True), (1, 2),
+                                                               (max(1, 4096 // h), max(1, 8192 // h)), (8, 16))]
+        for overrides in configs:
+            label = "*default" if not overrides else " ".join(f"{SHORT[k]}={int(v)}" for k, v in overrides.items())
+            try:
+                p = plan(**overrides)
+                t = graph_ms(lambda: run_plan(p, **inputs))
+            except Exception as err:  # a configuration that does not compile or fit is reported, not fatal
+                line = f"{name:<20}{n}x{h:<7}{label:<34}{type(err).__name__}"
+            else:
+                line = f"{name:<20}{n}x{h:<7}{label:<34}{t:>8.4f}{floor / t:>10.2f}"
+            lines.append(line)
+            print(line, flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
