@@ -393,6 +393,10 @@ def _header(results: dict) -> list[str]:
     if runs:
         lines += ["Runs merged into this file: " + "; ".join(
             f"{r.get('started', '?')} `{' '.join(r.get('argv') or [])}`" for r in runs) + ".", ""]
+        # a note added to a run afterwards (e.g. that a later run superseded some of its columns)
+        lines += [f"Note on the run of {r.get('started', '?')}: {r['note']}" for r in runs if r.get("note")]
+        if any(r.get("note") for r in runs):
+            lines.append("")
     if ceilings.get("device", "cuda") == "cuda":
         donated = any(r.get("jax_inputs") for r in runs)
         timing = ("torch timed with CUDA events, L2 flushed before every repetition, ~25 ms warm-up, median of "

@@ -320,3 +320,13 @@ def test_jax_copy_ceiling_is_measured_with_the_jax_timer(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     gbps = harness._jax_copy_gbps(src_bytes=2**16)
     assert gbps is not None and gbps > 0
+
+
+def test_report_shows_run_notes_and_the_jax_copy_ceiling():
+    """A note added to a run afterwards (a superseded column) and the jax timer's copy ceiling reach the report."""
+    results = _synthetic_results()
+    results["ceilings"]["jax_copy_GBps"] = 3801.5
+    results["runs"] = [{"started": "2026-01-01T10:00:00", "argv": ["run", "--quick"], "note": "jax columns redone"}]
+    md = report.render_markdown(results, {})
+    assert "Note on the run of 2026-01-01T10:00:00: jax columns redone" in md
+    assert "3801.5 GB/s" in md
