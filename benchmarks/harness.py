@@ -774,12 +774,20 @@ def donating_jax_runner(fn, *args):
 
 def jax_pass_runner(f, inputs, cotangent, pass_):
     """``fwd``: ``jax_runner(f, *inputs)``; ``fwd+bwd``: the jitted vjp of ``f`` at ``inputs`` applied to
-    ``cotangent`` (a tuple of them where ``f`` returns a tuple), inputs and cotangent passed as arguments."""
+    ``cotangent`` (a tuple of them where ``f`` returns a tuple), inputs and cotangent passed as arguments. The
+    program returns the forward's output with the gradients, as a layer in a model must: otherwise XLA drops a
+    forward the backward does not need (RoPE is linear; the gated backward recomputes its activation) and the
+    jax "fwd+bwd" would be the backward alone, against torch's both passes."""
     import jax
 
     if pass_ == "fwd":
         return jax_runner(f, *inputs)
-    return jax_runner(lambda args, d: jax.vjp(f, *args)[1](d), tuple(inputs), cotangent)
+
+    def forward_and_backward(args, d):
+        out, pullback = jax.vjp(f, *args)
+        return out, pullback(d)
+
+    return jax_runner(forward_and_backward, tuple(inputs), cotangent)
 
 
 def jax_key(*ints):

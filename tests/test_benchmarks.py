@@ -330,3 +330,19 @@ def test_report_shows_run_notes_and_the_jax_copy_ceiling():
     md = report.render_markdown(results, {})
     assert "Note on the run of 2026-01-01T10:00:00: jax columns redone" in md
     assert "3801.5 GB/s" in md
+
+
+def test_jax_fwd_bwd_runner_keeps_the_forward():
+    """jax "fwd+bwd" returns the forward's output with the gradients, so XLA cannot drop a forward that the
+    backward alone does not need (here a linear map, whose pullback ignores the forward)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.harness import jax_pass_runner
+
+    x = jax.random.normal(jax.random.key(8), (16, 8), jnp.float32)
+    d = jax.random.normal(jax.random.key(9), (16, 8), jnp.float32)
+    out, (grad,) = jax_pass_runner(lambda a: a * 3.0, (x,), d, "fwd+bwd")()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(d) * 3.0, rtol=1e-6)
