@@ -21,7 +21,7 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
-from .rms_norm import CASTING_MODES, _check_inputs, load_backward_rows, normalize_and_scale, output_dtype
+from .rms_norm import CASTING_MODES, _check_inputs, normalize_and_scale, output_dtype, rms_norm_backward_kernel
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 from .tl_math import aligned, cast, round_to
 
@@ -68,81 +68,6 @@ def _fused_add_rms_norm_forward_kernel(
         scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
     y = normalize_and_scale(hf, rstd, scale, h_dtype, y_dtype, CASTING, HAS_WEIGHT)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
-
-
-@triton.jit
-def _fused_add_rms_norm_backward_kernel(
-    DY, dy_row_stride, dy_col_stride,
-    DH, dh_row_stride, dh_col_stride,
-    H, h_row_stride, h_col_stride,
-    W, w_stride,
-    RSTD,
-    dx_row_stride, dx_col_stride,
-    dr_row_stride, dr_col_stride,
-    rows_per_group, n_cols, offset, rows_per_program,
-    DX, DR, DW_PARTIAL,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """Persistent, as RMSNorm's backward: with PREFETCH the next tile's dy, h and rstd are loaded before the
-    current tile is computed (dh, read once at the end of a tile, is not prefetched)."""
-    dy_row_stride = aligned(dy_row_stride, ALIGN)
-    dh_row_stride = aligned(dh_row_stride, ALIGN)
-    h_row_stride = aligned(h_row_stride, ALIGN)
-    dx_row_stride = aligned(dx_row_stride, ALIGN)
-    dr_row_stride = aligned(dr_row_stride, ALIGN)
-    n_cols = aligned(n_cols, ALIGN)
-    program = tl.program_id(0)
-    group = tl.program_id(1).to(tl.int64)
-    n_programs = tl.num_programs(0)
-    first_row = group * rows_per_group
-    row_begin = program * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, rows_per_group)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    if HAS_WEIGHT:
-        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
-        dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:
-        next_dy, next_h, next_rstd = load_backward_rows(
-            DY, dy_row_stride, dy_col_stride, H, h_row_stride, h_col_stride, RSTD,
-            first_row, row_begin + tl.arange(0, BLOCK_M), row_end, cols, col_mask)
-    for start in range(0, rows_per_program, BLOCK_M):
-        local = row_begin + start + tl.arange(0, BLOCK_M)
-        if PREFETCH:
-            dy, h, rstd = next_dy, next_h, next_rstd
-            next_dy, next_h, next_rstd = load_backward_rows(
-                DY, dy_row_stride, dy_col_stride, H, h_row_stride, h_col_stride, RSTD,
-                first_row, local + BLOCK_M, row_end, cols, col_mask)
-        else:
-            dy, h, rstd = load_backward_rows(DY, dy_row_stride, dy_col_stride, H, h_row_stride, h_col_stride,
-                                             RSTD, first_row, local, row_end, cols, col_mask)
-        rows = first_row + local.to(tl.int64)
-        mask = (local < row_end)[:, None] & col_mask[None, :]
-        dy = dy.to(tl.float32)
-        normed = h.to(tl.float32) * rstd[:, None]
-        if HAS_WEIGHT:
-            if CASTING == 0:  # llama multiplies w by the normalised h already rounded to h's dtype
-                dw_acc += dy * round_to(normed, h.dtype)
-            else:
-                dw_acc += dy * normed
-            dnormed = dy * w[None, :]
-        else:
-            dnormed = dy
-        mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
-        dh = (dnormed - normed * mean_dot[:, None]) * rstd[:, None]
-        if HAS_DH:
-            dh_in = tl.load(DH + rows[:, None] * dh_row_stride + cols[None, :] * dh_col_stride, mask=mask,
-                            other=0.0)
-            dh += dh_in.to(tl.float32)
-        tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :] * dx_col_stride,
-                 dh.to(DX.dtype.element_ty), mask=mask)
-        if SEPARATE_DR:
-            tl.store(DR + rows[:, None] * dr_row_stride + cols[None, :] * dr_col_stride,
-                     dh.to(DR.dtype.element_ty), mask=mask)
-    if HAS_WEIGHT:
-        slot = group * n_programs + program
-        tl.store(DW_PARTIAL + slot * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -235,10 +160,10 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
         dr, dr_strides = NewBuffer("dresidual", (1,), residual_dtype), (0, 0)
     has_weight = weight is not None
     main = Launch(
-        kernel=_fused_add_rms_norm_backward_kernel,
+        kernel=rms_norm_backward_kernel,
         grid=(n_programs, groups),
         args=(Buf("dy"), dy_row_stride, dy_col_stride,
-              Buf("dh" if dh is not None else "dy"), dh_row_stride, dh_col_stride,
+              Buf("dh" if dh is not None else "rstd"), dh_row_stride, dh_col_stride,  # rstd: never written
               Buf("h"), h_row_stride, h_col_stride,
               Buf("weight" if has_weight else "h"), weight.strides[0] if has_weight else 0,
               Buf("rstd"), *dx_strides, *dr_strides,

@@ -102,22 +102,30 @@ def load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_
 
 
 @triton.jit
-def _rms_norm_backward_kernel(
+def rms_norm_backward_kernel(
     DY, dy_row_stride, dy_col_stride,
+    DH, dh_row_stride, dh_col_stride,
     X, x_row_stride, x_col_stride,
     W, w_stride,
     RSTD,
     dx_row_stride, dx_col_stride,
+    dr_row_stride, dr_col_stride,
     rows_per_group, n_cols, offset, rows_per_program,
-    DX, DW_PARTIAL,
+    DX, DR, DW_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
-    PREFETCH the next tile's loads are issued before the current tile is computed, hiding HBM latency."""
+    PREFETCH the next tile's dy, x and rstd are loaded before the current tile is computed, hiding HBM latency.
+
+    Also the fused add+RMSNorm backward (:mod:`liger_core.fused_add_rms_norm`, X being h = x + residual): with
+    HAS_DH the incoming gradient of h (DH, read once at the end of a tile, not prefetched) is added to dx, and
+    with SEPARATE_DR the sum is stored a second time, as the residual's gradient in its own dtype."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
+    dh_row_stride = aligned(dh_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
     dx_row_stride = aligned(dx_row_stride, ALIGN)
+    dr_row_stride = aligned(dr_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     program = tl.program_id(0)
     group = tl.program_id(1).to(tl.int64)
@@ -143,7 +151,7 @@ def _rms_norm_backward_kernel(
                 first_row, local + BLOCK_M, row_end, cols, col_mask)
         else:
             dy, x, rstd = load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
-                                              RSTD, first_row, local, row_end, cols, col_mask)
+                                             RSTD, first_row, local, row_end, cols, col_mask)
         rows = first_row + local.to(tl.int64)
         mask = (local < row_end)[:, None] & col_mask[None, :]
         dy = dy.to(tl.float32)
@@ -158,8 +166,15 @@ def _rms_norm_backward_kernel(
             dnormed = dy
         mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
         dx = (dnormed - normed * mean_dot[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dh_in = tl.load(DH + rows[:, None] * dh_row_stride + cols[None, :] * dh_col_stride, mask=mask,
+                            other=0.0)
+            dx += dh_in.to(tl.float32)
         tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :] * dx_col_stride,
                  cast(dx, DX.dtype.element_ty), mask=mask)
+        if SEPARATE_DR:
+            tl.store(DR + rows[:, None] * dr_row_stride + cols[None, :] * dr_col_stride,
+                     cast(dx, DR.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         slot = group * n_programs + program
         tl.store(DW_PARTIAL + slot * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -249,15 +264,17 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     has_weight = weight is not None
     partial_shape = (groups, n_programs, n_cols) if has_weight else (1,)
     main = Launch(
-        kernel=_rms_norm_backward_kernel,
+        kernel=rms_norm_backward_kernel,
         grid=(n_programs, groups),
-        args=(Buf("dy"), dy_row_stride, dy_col_stride, Buf("x"), x_row_stride, x_col_stride,
+        args=(Buf("dy"), dy_row_stride, dy_col_stride,
+              Buf("rstd"), 0, 0,  # no incoming residual gradient (a pointer never written: no XLA copy)
+              Buf("x"), x_row_stride, x_col_stride,
               Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
-              Buf("rstd"), dx_row_stride, dx_col_stride,
+              Buf("rstd"), dx_row_stride, dx_col_stride, 0, 0,
               group_rows, n_cols, float(offset), grid.rows_per_program),
-        outputs=(dx, NewBuffer("dw_partial", partial_shape, "float32")),
+        outputs=(dx, NewBuffer("dr_unused", (1,), x.dtype), NewBuffer("dw_partial", partial_shape, "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
-                    "HAS_WEIGHT": has_weight, "PREFETCH": prefetch},
+                    "HAS_WEIGHT": has_weight, "HAS_DH": False, "SEPARATE_DR": False, "PREFETCH": prefetch},
         num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")
