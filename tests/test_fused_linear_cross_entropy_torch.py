@@ -199,3 +199,26 @@ def test_bad_input_raises_before_launch(make, kwargs, error, match, device):
     x, w, t = make(device)
     with pytest.raises(error, match=match):
         liger_torch.fused_linear_cross_entropy(x, w, t, **kwargs(device))
+
+
+@pytest.mark.parametrize("weight_dtype,accum_fp32", [(torch.float32, True), (torch.bfloat16, True),
+                                                     (torch.bfloat16, False)])
+def test_weight_gradient_first_chunk_overwrites_unset_memory(weight_dtype, accum_fp32, device, seed):
+    """The dW accumulator is allocated unset and the first chunk overwrites it: with it poisoned (NaN, as
+    uninitialised memory may be), three chunks still sum exactly what one matmul over all rows gives."""
+    from liger_torch.fused_linear_cross_entropy import accumulate_linear_grads, weight_grad_buffers
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(37, 16, generator=gen).to(device, weight_dtype)
+    x = torch.randn(23, 16, generator=gen).to(device, weight_dtype)
+    dlogits = torch.randn(23, 37, generator=gen).to(device, weight_dtype)
+    grad_w, grad_w_tmp = weight_grad_buffers(weight, accum_fp32)
+    assert grad_w.dtype == (torch.float32 if accum_fp32 else weight_dtype)
+    grad_w.fill_(float("nan"))
+    for i, (start, stop) in enumerate(((0, 8), (8, 16), (16, 23))):
+        accumulate_linear_grads(dlogits[start:stop], x[start:stop], weight, None, grad_w, grad_w_tmp,
+                                (False, True, False), first=i == 0)
+    want = dlogits.double().t() @ x.double()
+    assert torch.isfinite(grad_w).all()
+    # bf16 products are rounded to bf16 once per chunk where the device adds them through the scratch
+    assert_close(grad_w, want, weight_dtype, "grad_w", scale=3.0)

@@ -29,8 +29,9 @@ DTYPE_REMEDY = ("cast them to one dtype (model.to(dtype), lm_head included) or r
 @functools.lru_cache(maxsize=None)
 def _addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` adds low-precision products into an
-    fp32 accumulator in place on this device (CUDA builds with the ``addmm.dtype_out`` kernel). Probed once
-    on a small case against the two-step path, so a build without it (or the CPU) falls back silently."""
+    fp32 accumulator in place on this device (CUDA builds with the ``addmm.dtype_out`` kernel), and, with
+    ``beta=0``, overwrites it without reading it (NaN in it must not leak through). Probed once on a small case
+    against the two-step path, so a build without it (or the CPU) falls back silently."""
     if device.type != "cuda":
         return False
     try:
@@ -40,33 +41,45 @@ def _addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool
         acc = torch.randn(64, 48, device=device, generator=gen)
         want = acc + torch.mm(a.float(), b.float())
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+        adds = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+        acc.fill_(float("nan"))
+        torch.addmm(acc, a, b, beta=0, out_dtype=torch.float32, out=acc)
+        overwrites = bool(torch.allclose(acc, torch.mm(a.float(), b.float()), rtol=1e-4, atol=1e-4))
+        return adds and overwrites
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
 
 def weight_grad_buffers(weight: torch.Tensor, accum_fp32: bool):
-    """``(grad_w, grad_w_tmp)``: the dW accumulator (fp32 when ``accum_fp32``) and, only where the device cannot
-    add a low-precision matmul into fp32 in place, a scratch of W's size for one chunk's dW."""
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32 if accum_fp32 else weight.dtype, device=weight.device)
+    """``(grad_w, grad_w_tmp)``: the dW accumulator (fp32 when ``accum_fp32``; left unset: the first chunk
+    overwrites it, see :func:`accumulate_linear_grads`) and, only where the device cannot add a low-precision
+    matmul into fp32 in place, a scratch of W's size for one chunk's dW."""
+    grad_w = torch.empty(weight.shape, dtype=torch.float32 if accum_fp32 else weight.dtype, device=weight.device)
     mixed = accum_fp32 and weight.dtype != torch.float32
     if mixed and not _addmm_accumulates_in_fp32(weight.device, weight.dtype):
         return grad_w, torch.empty_like(weight)
     return grad_w, None
 
 
-def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad_w_tmp, need) -> None:
+def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad_w_tmp, need,
+                            first: bool) -> None:
     """One chunk's share of the input and weight gradients of ``logits = x @ weight.T``: grad_x rows written,
     grad_w accumulated (in fp32 inside the matmul where the device can, else through the scratch
-    ``grad_w_tmp``: a W-sized write, read and fp32 read-modify-write more per chunk)."""
+    ``grad_w_tmp``: a W-sized write, read and fp32 read-modify-write more per chunk). The ``first`` chunk
+    overwrites grad_w (unset until then): no zero fill, and no read of a W-sized accumulator of zeros."""
     if need[0]:
         torch.mm(dlogits, weight, out=grad_x_chunk)
     if need[1]:
         if grad_w_tmp is not None:
             torch.mm(dlogits.t(), x_chunk, out=grad_w_tmp)
-            grad_w.add_(grad_w_tmp)
+            if first:
+                grad_w.copy_(grad_w_tmp)
+            else:
+                grad_w.add_(grad_w_tmp)
         elif grad_w.dtype != dlogits.dtype:
-            torch.addmm(grad_w, dlogits.t(), x_chunk, out_dtype=grad_w.dtype, out=grad_w)
+            torch.addmm(grad_w, dlogits.t(), x_chunk, beta=0 if first else 1, out_dtype=grad_w.dtype, out=grad_w)
+        elif first:
+            torch.mm(dlogits.t(), x_chunk, out=grad_w)
         else:
             grad_w.addmm_(dlogits.t(), x_chunk)
 
@@ -110,7 +123,7 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
             continue
         dlogits = outs[-1]
         grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
-        accumulate_linear_grads(dlogits, xc, weight, grad_x_chunk, grad_w, grad_w_tmp, need)
+        accumulate_linear_grads(dlogits, xc, weight, grad_x_chunk, grad_w, grad_w_tmp, need, first=start == 0)
         if need[2]:
             grad_b.add_(dlogits.sum(0, dtype=torch.float32))
     z = torch.cat(z_losses) if z_losses else None

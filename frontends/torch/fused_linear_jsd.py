@@ -51,7 +51,7 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
             continue
         dlogits = outs[1].to(xs.dtype)
         grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
-        accumulate_linear_grads(dlogits, xc, ws, grad_x_chunk, grad_w, grad_w_tmp, need)
+        accumulate_linear_grads(dlogits, xc, ws, grad_x_chunk, grad_w, grad_w_tmp, need, first=start == 0)
     return torch.cat(losses), grad_x, grad_w
 
 
