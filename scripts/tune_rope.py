@@ -1,7 +1,8 @@
-"""GPU sweep of RoPE's tile (heads per program x tile elements) at B1 T65536 32/8 D128 bf16, HF and Flax layouts,
-forward through liger_torch.rope, CUDA-event median (triton.testing.do_bench). Prints one table.
+"""GPU sweep of RoPE's tile (heads per program x tile elements) at B1 T 32/8 D128 bf16 (T = 65536 by default),
+HF and Flax layouts, forward through liger_torch.rope, CUDA-event median (triton.testing.do_bench). Prints one
+table per sequence length.
 
-    python3 scripts/tune_rope.py
+    python3 scripts/tune_rope.py [--tokens 65536 16384 4096]
 """
 
 import dataclasses
@@ -15,9 +16,18 @@ from liger_torch._launch import info, run_plan
 
 
 def main():
-    T, Hq, Hk, D = 65536, 32, 8, 128
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[65536])
+    for T in parser.parse_args().tokens:
+        sweep(T)
+
+
+def sweep(T):
+    Hq, Hk, D = 32, 8, 128
     floor_ms = 2 * (Hq + Hk) * T * D * 2 / 4.277e12 * 1e3
-    print(f"floor (read + write q, k) {floor_ms:.3f} ms")
+    print(f"T={T}: floor (read + write q, k) {floor_ms:.3f} ms")
     print(f"{'layout':<8}{'max_h':>6}{'tile':>7}{'warps':>6}{'ms':>8}{'of floor':>10}")
     for layout in ("bhtd", "bthd"):
         shape = (lambda h: (1, h, T, D)) if layout == "bhtd" else (lambda h: (1, T, h, D))
