@@ -61,7 +61,15 @@ def main(argv=None) -> int:
         print(tables[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + "\n\n".join(tables) + "\n")
+            import datetime
+
+            import transformers
+            import triton
+
+            f.write(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+                    f"transformers {transformers.__version__}, {datetime.date.today()}\n"
+                    f"command: python3 scripts/profile_e2e.py {' '.join(sys.argv[1:])}\n\n"
+                    + "\n\n".join(tables) + "\n")
     return 0
 
 
