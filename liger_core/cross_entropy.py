@@ -25,6 +25,8 @@ they can (see :func:`invalid_targets_message`).
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -377,6 +379,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
     )
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None = None, *,
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
@@ -421,6 +424,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: int, ignore_index: int) -> Plan:
     """Plan for ``denom`` (2,) fp32, the divisors of a mean over many chunks (see :func:`chunk_plan`)."""
     launch = denominators_launch(target, weight, n_classes, ignore_index)
@@ -428,6 +432,7 @@ def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: in
     return Plan(inputs=inputs, launches=(launch,), outputs=("denom",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None) -> Plan:
@@ -451,12 +456,14 @@ def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *
     return Plan(inputs=tuple(inputs), launches=(launch,), outputs=tuple(outputs))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def sum_rows_plan(n_rows: int, dtype: str) -> Plan:
     """Plan summing fp32 ``rows`` (n_rows,) in a fixed order into ``total`` (shape (), ``dtype``)."""
     launch = sum_partials_launch("rows", "total", 1, n_rows, 1, dtype, out_shape=())
     return Plan(inputs=("rows",), launches=(launch,), outputs=("total",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in_place: bool = True) -> Plan:
     """Plan for ``dlogits = grad * grad_output``: a scalar for mean/sum, one value per row for none.
 

@@ -14,6 +14,8 @@ and the plans each step launches.
 
 from __future__ import annotations
 
+import functools
+
 from . import cross_entropy as ce
 from .launch import ArrayInfo, ITEMSIZE, Plan, check_float, check_nonempty, next_power_of_2
 
@@ -87,12 +89,14 @@ def check_inputs(x: ArrayInfo, weight: ArrayInfo, target: ArrayInfo, bias: Array
     return vocab
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def denominators_plan(n_rows: int, target_dtype: str, ce_weight: ArrayInfo | None, vocab: int,
                       ignore_index: int) -> Plan:
     """``denom`` for the whole (flattened, contiguous) target: input ``target`` (and ``weight``)."""
     return ce.denominators_plan(ArrayInfo.contiguous((n_rows,), target_dtype), ce_weight, vocab, ignore_index)
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def chunk_plan(rows: int, vocab: int, logits_dtype: str, target_dtype: str, ce_weight: ArrayInfo | None, *,
                ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float,
                softcap: float | None, return_z_loss: bool, compute_grad: bool,
@@ -108,6 +112,7 @@ def chunk_plan(rows: int, vocab: int, logits_dtype: str, target_dtype: str, ce_w
         compute_grad=compute_grad, grad_scale=grad_scale)
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def loss_plan(n_rows: int, dtype: str) -> Plan:
     """Sum of the fp32 per-row losses ``rows`` into ``total`` (shape (), ``dtype``), in a fixed order."""
     return ce.sum_rows_plan(n_rows, dtype)

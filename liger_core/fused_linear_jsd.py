@@ -16,6 +16,8 @@ This module holds what is framework-free: validation, the chunk size and the pla
 
 from __future__ import annotations
 
+import functools
+
 from . import fused_linear_cross_entropy as flce
 from . import jsd
 from .launch import ArrayInfo, Plan, as_real
@@ -60,11 +62,13 @@ def check_inputs(student_x: ArrayInfo, student_w: ArrayInfo, teacher_x: ArrayInf
     return vocab
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def count_plan(n_rows: int, labels_dtype: str, ignore_index: int) -> Plan:
     """``denom`` for the whole (flattened, contiguous) labels: input ``labels``."""
     return jsd.count_plan(n_rows, labels_dtype, ignore_index)
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def chunk_plan(rows: int, vocab: int, labels_dtype: str | None, *, beta: float, ignore_index: int,
                n_total_rows: int, temperature: float, compute_grad: bool) -> Plan:
     """The JSD step of one chunk of contiguous fp32 (rows, V) log-probabilities; see
@@ -74,6 +78,7 @@ def chunk_plan(rows: int, vocab: int, labels_dtype: str | None, *, beta: float, 
                           n_total_rows=n_total_rows, temperature=temperature, compute_grad=compute_grad)
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def loss_plan(n_rows: int, dtype: str) -> Plan:
     """Sum of the fp32 per-row losses ``rows`` into ``total`` (shape (), ``dtype``), in a fixed order."""
     return jsd.loss_plan(n_rows, dtype)

@@ -34,6 +34,8 @@ respect to the logits ``z`` the log-probabilities came from, ``x = log_softmax(z
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -250,6 +252,7 @@ def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None
     )
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def forward_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None = None, *, beta: float = 0.5,
                  ignore_index: int = -100, compute_grad: bool = True, in_place: bool = False,
                  student_name: str = "student_logprobs", teacher_name: str = "teacher_logprobs",
@@ -275,6 +278,7 @@ def forward_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | Non
     return Plan(inputs=inputs, launches=tuple(launches), outputs=("loss", "grad") if compute_grad else ("loss",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def shard_rows_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None, *, beta: float,
                     ignore_index: int, n_total_rows: int, compute_grad: bool) -> Plan:
     """One shard's rows of a row-sharded loss: fp32 ``loss_rows`` already divided by the global divisor (input
@@ -286,6 +290,7 @@ def shard_rows_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | 
     return Plan(inputs=inputs, launches=(launch,), outputs=("loss_rows", "grad")[:1 + int(compute_grad)])
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def count_plan(n_rows: int, labels_dtype: str, ignore_index: int) -> Plan:
     """``denom`` (1,) fp32 for the whole (flattened, contiguous) ``labels`` (n_rows,): the mean's divisor
     over many chunks (see :func:`chunk_plan`)."""
@@ -293,6 +298,7 @@ def count_plan(n_rows: int, labels_dtype: str, ignore_index: int) -> Plan:
     return Plan(inputs=("labels",), launches=(launch,), outputs=("denom",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def chunk_plan(rows: int, vocab: int, logprobs_dtype: str, labels_dtype: str | None, *, beta: float,
                ignore_index: int, n_total_rows: int, temperature: float, compute_grad: bool) -> Plan:
     """One chunk of contiguous (rows, V) log-probabilities ``log_softmax(z / temperature)`` of a larger batch
@@ -309,12 +315,14 @@ def chunk_plan(rows: int, vocab: int, logprobs_dtype: str, labels_dtype: str | N
     return Plan(inputs=inputs, launches=(launch,), outputs=("loss_rows", "grad") if compute_grad else ("loss_rows",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, in_place: bool = True) -> Plan:
     """``dstudent = grad * grad_output`` (a scalar): inputs ``grad`` (from :func:`forward_plan`) and
     ``grad_output``; output ``dlogits``, written over ``grad`` with ``in_place``."""
     return ce.backward_plan(grad, grad_output, reduction="mean", in_place=in_place)
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def loss_plan(n_rows: int, dtype: str) -> Plan:
     """Sum of the fp32 per-row losses ``rows`` into ``total`` (shape (), ``dtype``), in a fixed order."""
     return ce.sum_rows_plan(n_rows, dtype)

@@ -15,6 +15,8 @@ the target (a teacher's distribution, in distillation) gets no gradient.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -112,6 +114,7 @@ def output_dtype(x: ArrayInfo, target: ArrayInfo) -> str:
     return promote(x.dtype, target.dtype)
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", log_target: bool = False,
                  x_name: str = "input", target_name: str = "target") -> Plan:
     """Plan for the loss: inputs ``input``, ``target``; output ``loss`` (input's shape for none, else ())."""
@@ -138,6 +141,7 @@ def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", lo
     return Plan(inputs=("input", "target"), launches=tuple(launches), outputs=("loss",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def row_sums_plan(x: ArrayInfo, target: ArrayInfo, *, log_target: bool = False) -> Plan:
     """The ``sum`` forward up to its fp32 per-row sums ``loss_rows`` (for a row-sharded loss whose shards add
     them up themselves)."""
@@ -145,6 +149,7 @@ def row_sums_plan(x: ArrayInfo, target: ArrayInfo, *, log_target: bool = False) 
     return Plan(inputs=plan.inputs, launches=plan.launches[:1], outputs=("loss_rows",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def backward_plan(grad_output: ArrayInfo, x: ArrayInfo, target: ArrayInfo, *, reduction: str,
                   log_target: bool = False) -> Plan:
     """Plan for ``d input``: inputs ``grad_output`` (a scalar, or input's shape for none) and ``target``;

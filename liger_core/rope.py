@@ -18,6 +18,8 @@ results match HF bitwise in every dtype.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -240,6 +242,7 @@ def _tile(n_heads_q: int, n_heads_k: int, n_tokens: int, half: int) -> tuple[int
     return block_t, block_hq, block_hk
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_ids: ArrayInfo | None, *,
           head_axis: int, interleaved: bool, backward: bool, q_out_dtype: str, k_out_dtype: str,
           in_place: bool, q_name: str, k_name: str) -> Plan:

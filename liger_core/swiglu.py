@@ -13,6 +13,8 @@ libdevice's erff on the GPU).
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -177,6 +179,7 @@ def _tile(n_rows: int, n_cols: int) -> tuple[int, int]:
     return block_m, block_n
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def forward_plan(a: ArrayInfo, b: ArrayInfo, *, activation: str) -> Plan:
     """Plan for ``c = act(a) * b``: inputs ``a``, ``b``; output ``c`` (a's shape and dtype, contiguous)."""
     check_inputs(a, b, activation)
@@ -194,6 +197,7 @@ def forward_plan(a: ArrayInfo, b: ArrayInfo, *, activation: str) -> Plan:
     return Plan(inputs=("a", "b"), launches=(launch,), outputs=("c",))
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def backward_plan(dc: ArrayInfo, a: ArrayInfo, b: ArrayInfo, *, activation: str, in_place: bool) -> Plan:
     """Plan for ``da, db`` from ``dc``: inputs ``dc``, ``a``, ``b``; outputs ``da``, ``db``.
 

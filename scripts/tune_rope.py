@@ -37,6 +37,7 @@ def sweep(T):
         sin = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
         for max_h, tile, warps in itertools.product((1, 2), (512, 1024, 2048), (2, 4, 8)):
             core._MAX_BLOCK_H, core._TILE_ELEMENTS = max_h, tile
+            core._plan.cache_clear()  # plans are cached by their arguments, not by these module settings
             plan = core.forward_plan(info(q), info(k), info(cos), info(sin), None,
                                      head_axis=1 if layout == "bhtd" else 2)
             plan = dataclasses.replace(plan, launches=tuple(dataclasses.replace(l, num_warps=warps)
