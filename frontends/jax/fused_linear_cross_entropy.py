@@ -36,6 +36,16 @@ def _logits(xc, kernel, bias, layout, dtype):
     return logits.astype(dtype)
 
 
+def scan_from_first_chunk(body, chunks):
+    """``lax.scan(body, init, chunks)`` where the first chunk runs outside the scan as ``body(None, first)`` and
+    its carry (the first chunk's weight-gradient sums) starts the loop: no weight-sized zero fill, and no read of
+    one in the first accumulation. The per-chunk outputs are joined again (a copy of dx: N x H, small next to
+    the W-sized accumulator)."""
+    carry, y_first = body(None, jax.tree.map(lambda a: a[0], chunks))
+    carry, ys = jax.lax.scan(body, carry, jax.tree.map(lambda a: a[1:], chunks))
+    return carry, jax.tree.map(lambda first, rest: jnp.concatenate([first[None], rest]), y_first, ys)
+
+
 def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_scale=None, shards=None):
     """Per-row fp32 losses (and z parts), and with ``compute_grad`` the gradients of x, kernel, bias (fp32
     accumulators for kernel and bias) for an incoming gradient of 1, or of ``grad_scale`` per row. In one shard
@@ -70,22 +80,23 @@ def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_s
         if not compute_grad:
             return carry, (outs[0], z)
         dlogits = outs[-1]
-        gw, gb = carry
         # dx = dlogits @ W (contract V); dW += x^T dlogits (hv) or dlogits^T x (vh), accumulated in acc_dtype.
         dx = jax.lax.dot_general(dlogits, kernel, (((1,), (1 if layout == "hv" else 0,)), ((), ())))
         if layout == "hv":
             dw = jax.lax.dot_general(xc, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
         else:
             dw = jax.lax.dot_general(dlogits, xc, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-        gw = gw + dw.astype(acc_dtype)
-        if gb is not None:
-            gb = gb + jnp.sum(dlogits, axis=0, dtype=jnp.float32)
+        gw = dw.astype(acc_dtype)
+        gb = None if bias is None else jnp.sum(dlogits, axis=0, dtype=jnp.float32)
+        if carry is not None:  # None: the first chunk, whose sums start the accumulators
+            gw = carry[0] + gw
+            gb = None if gb is None else carry[1] + gb
         return (gw, gb), (outs[0], z, dx.astype(x.dtype))
 
-    init = None
     if compute_grad:
-        init = (jnp.zeros(kernel.shape, acc_dtype), None if bias is None else jnp.zeros((vocab,), jnp.float32))
-    carry, ys = jax.lax.scan(body, init, (xs, ls, gs))
+        carry, ys = scan_from_first_chunk(body, (xs, ls, gs))
+    else:
+        carry, ys = jax.lax.scan(body, None, (xs, ls, gs))
     losses = ys[0].reshape(-1)[:n]
     z = ys[1].reshape(-1)[:n] if opts["return_z_loss"] else None
     if not compute_grad:

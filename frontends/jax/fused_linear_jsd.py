@@ -26,7 +26,7 @@ from liger_core import fused_linear_jsd as core
 from ._launch import as_array, dtype_name, info, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch
-from .fused_linear_cross_entropy import sum_rows
+from .fused_linear_cross_entropy import scan_from_first_chunk, sum_rows
 
 
 def _log_probs(xc, kernel, layout, temperature):
@@ -76,10 +76,13 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
             dw = jax.lax.dot_general(xsc, dlogits, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
         else:
             dw = jax.lax.dot_general(dlogits, xsc, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-        return gw + dw.astype(acc_dtype), (outs[0], dx.astype(xs.dtype))
+        gw = dw.astype(acc_dtype) if gw is None else gw + dw.astype(acc_dtype)  # None: the first chunk
+        return gw, (outs[0], dx.astype(xs.dtype))
 
-    init = jnp.zeros(ws.shape, acc_dtype) if compute_grad else None
-    carry, ys = jax.lax.scan(body, init, (xss, xts, ls))
+    if compute_grad:
+        carry, ys = scan_from_first_chunk(body, (xss, xts, ls))
+    else:
+        carry, ys = jax.lax.scan(body, None, (xss, xts, ls))
     losses = ys[0].reshape(-1)[:n]
     if not compute_grad:
         return losses, None
