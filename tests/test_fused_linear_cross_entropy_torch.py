@@ -222,3 +222,35 @@ def test_weight_gradient_first_chunk_overwrites_unset_memory(weight_dtype, accum
     assert torch.isfinite(grad_w).all()
     # bf16 products are rounded to bf16 once per chunk where the device adds them through the scratch
     assert_close(grad_w, want, weight_dtype, "grad_w", scale=3.0)
+
+
+@pytest.mark.parametrize("overwrites", [True, False])
+def test_weight_gradient_fp32_matmul_path_without_zero_fill(overwrites, monkeypatch, seed):
+    """The GPU path that adds bf16 products into the fp32 accumulator inside the matmul (``addmm`` with
+    ``out_dtype``; not on the CPU, so emulated here): the first chunk overwrites with ``beta=0`` where the device
+    honours it, else zero-fills first. A poisoned (NaN) accumulator must not leak into either."""
+    import importlib
+
+    flce = importlib.import_module("liger_torch.fused_linear_cross_entropy")  # the module, not the function
+    calls = []
+
+    def addmm(acc, a, b, *, beta=1, out_dtype, out):  # CUDA's addmm.dtype_out semantics, on the CPU
+        calls.append(beta)
+        product = a.float() @ b.float()
+        return out.copy_(product if beta == 0 else acc + product)
+
+    monkeypatch.setattr(flce, "_addmm_accumulates_in_fp32", lambda device, dtype: True)
+    monkeypatch.setattr(flce, "_addmm_overwrites_in_fp32", lambda device, dtype: overwrites)
+    monkeypatch.setattr(flce.torch, "addmm", addmm)
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(37, 16, generator=gen).bfloat16()
+    x = torch.randn(23, 16, generator=gen).bfloat16()
+    dlogits = torch.randn(23, 37, generator=gen).bfloat16()
+    grad_w, grad_w_tmp = flce.weight_grad_buffers(weight, True)
+    assert grad_w_tmp is None and grad_w.dtype == torch.float32
+    grad_w.fill_(float("nan"))
+    for i, (start, stop) in enumerate(((0, 8), (8, 16), (16, 23))):
+        flce.accumulate_linear_grads(dlogits[start:stop], x[start:stop], weight, None, grad_w, grad_w_tmp,
+                                     (False, True, False), first=i == 0)
+    assert calls == [0 if overwrites else 1, 1, 1]
+    assert_close(grad_w, dlogits.double().t() @ x.double(), torch.float32, "grad_w", scale=3.0)

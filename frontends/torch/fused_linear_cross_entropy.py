@@ -29,25 +29,39 @@ DTYPE_REMEDY = ("cast them to one dtype (model.to(dtype), lm_head included) or r
 @functools.lru_cache(maxsize=None)
 def _addmm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` adds low-precision products into an
-    fp32 accumulator in place on this device (CUDA builds with the ``addmm.dtype_out`` kernel), and, with
-    ``beta=0``, overwrites it without reading it (NaN in it must not leak through). Probed once on a small case
-    against the two-step path, so a build without it (or the CPU) falls back silently."""
+    fp32 accumulator in place on this device (CUDA builds with the ``addmm.dtype_out`` kernel). Probed once
+    on a small case against the two-step path, so a build without it (or the CPU) falls back silently."""
     if device.type != "cuda":
         return False
     try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        a = torch.randn(64, 32, device=device, generator=gen).to(dtype)
-        b = torch.randn(32, 48, device=device, generator=gen).to(dtype)
-        acc = torch.randn(64, 48, device=device, generator=gen)
+        a, b, acc = _probe_operands(device, dtype)
         want = acc + torch.mm(a.float(), b.float())
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        adds = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
-        acc.fill_(float("nan"))
-        torch.addmm(acc, a, b, beta=0, out_dtype=torch.float32, out=acc)
-        overwrites = bool(torch.allclose(acc, torch.mm(a.float(), b.float()), rtol=1e-4, atol=1e-4))
-        return adds and overwrites
+        return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
     except (RuntimeError, TypeError, NotImplementedError):
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_overwrites_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the same call with ``beta=0`` overwrites the accumulator without reading it (NaN in it must not
+    leak through), so the first chunk needs no zero-filled accumulator. Probed once, as above."""
+    if not _addmm_accumulates_in_fp32(device, dtype):
+        return False
+    try:
+        a, b, acc = _probe_operands(device, dtype)
+        acc.fill_(float("nan"))
+        torch.addmm(acc, a, b, beta=0, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc, torch.mm(a.float(), b.float()), rtol=1e-4, atol=1e-4))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _probe_operands(device, dtype):
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(64, 32, device=device, generator=gen).to(dtype)
+    b = torch.randn(32, 48, device=device, generator=gen).to(dtype)
+    return a, b, torch.randn(64, 48, device=device, generator=gen)
 
 
 def weight_grad_buffers(weight: torch.Tensor, accum_fp32: bool):
@@ -66,7 +80,8 @@ def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad
     """One chunk's share of the input and weight gradients of ``logits = x @ weight.T``: grad_x rows written,
     grad_w accumulated (in fp32 inside the matmul where the device can, else through the scratch
     ``grad_w_tmp``: a W-sized write, read and fp32 read-modify-write more per chunk). The ``first`` chunk
-    overwrites grad_w (unset until then): no zero fill, and no read of a W-sized accumulator of zeros."""
+    overwrites grad_w (unset until then): no zero fill, and no read of a W-sized accumulator of zeros (except
+    where the device's fp32-output matmul cannot overwrite: it zero-fills first)."""
     if need[0]:
         torch.mm(dlogits, weight, out=grad_x_chunk)
     if need[1]:
@@ -77,7 +92,10 @@ def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad
             else:
                 grad_w.add_(grad_w_tmp)
         elif grad_w.dtype != dlogits.dtype:
-            torch.addmm(grad_w, dlogits.t(), x_chunk, beta=0 if first else 1, out_dtype=grad_w.dtype, out=grad_w)
+            overwrite = first and _addmm_overwrites_in_fp32(grad_w.device, dlogits.dtype)
+            if first and not overwrite:
+                grad_w.zero_()
+            torch.addmm(grad_w, dlogits.t(), x_chunk, beta=0 if overwrite else 1, out_dtype=grad_w.dtype, out=grad_w)
         elif first:
             torch.mm(dlogits.t(), x_chunk, out=grad_w)
         else:
