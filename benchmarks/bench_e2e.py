@@ -5,8 +5,8 @@ tokens (never zeros).
   a fresh model: ``hf_eager``, ``hf+liger_torch`` (``liger_torch.apply_liger_kernel(model)``) and
   ``hf+liger_kernel`` (Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)``, when importable; the
   module-level patches it also makes are undone after the task). For each: tokens/s and peak memory at each
-  sequence length with the same tokens per step (16 x 1024 ... 1 x 16384; 1 x 65536 on top), then, in another fresh model, the
-  longest sequence (batch 1) that fits: doubling until out of memory, then bisection.
+  sequence length with the same tokens per step (16 x 1024 ... 1 x 16384; 1 x 65536 on top), then, in another
+  fresh model, the longest sequence (batch 1) that fits: doubling until out of memory, then bisection.
 - The Flax model ``liger_jax.models.LlamaForCausalLM`` with ``use_kernels=False`` (``flax_xla``) and ``True``
   (``flax+liger_jax``), optax AdamW, a jitted step with donated parameters and optimizer state, on the same
   shapes (fewer of them: every shape is a compilation).

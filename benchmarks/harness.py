@@ -400,7 +400,6 @@ def _jax_copy_gbps(src_bytes: int) -> float | None:
             return None
         x = jax.random.normal(jax.random.key(11), (src_bytes // 4,), jnp.float32)
         negate = jax.jit(lambda v: -v)
-        jax.block_until_ready(negate(x))
         ms = statistics.median(time_jax(lambda: negate(x)))
         del x
         return 2 * src_bytes / ms / 1e6

@@ -403,7 +403,8 @@ def _header(results: dict) -> list[str]:
                   ">= 10 repetitions (p20-p80 in the detail tables); jax with a host clock around queued calls, "
                   "inputs rotated when they fit in L2" + (
                       ", larger inputs donated where that removes a copy from the program (each call a fresh "
-                      "copy, so an op writing over an operand is not charged with XLA's defensive copy)." if donated else "."))
+                      "copy, so an op writing over an operand is not charged with XLA's defensive copy)."
+                      if donated else "."))
     else:
         timing = "host clock, one to three repetitions (a smoke run: it tests the code path, not the kernels)."
     lines += [f"Method: {timing} Fresh random inputs (never zeros). Memory: peak allocated above the inputs. A "

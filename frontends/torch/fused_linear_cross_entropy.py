@@ -122,17 +122,15 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
     if need[2]:
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device)
     losses, z_losses = [], []
-    plans = {}
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         xc = x[start:stop]
         logits = torch.addmm(bias, xc, weight.t()) if bias is not None else torch.mm(xc, weight.t())
-        if stop - start not in plans:
-            plans[stop - start] = core.chunk_plan(
-                stop - start, vocab, dtype, dtype_name(target.dtype), optional_info(ce_weight),
-                compute_grad=compute_grad, grad_scale_dtype=None if grad_scale is None else dtype_name(
-                    grad_scale.dtype), **opts)
-        outs = run_plan(plans[stop - start], logits=logits, target=target[start:stop], weight=ce_weight,
+        plan = core.chunk_plan(  # cached: built once per chunk length
+            stop - start, vocab, dtype, dtype_name(target.dtype), optional_info(ce_weight),
+            compute_grad=compute_grad, grad_scale_dtype=None if grad_scale is None else dtype_name(grad_scale.dtype),
+            **opts)
+        outs = run_plan(plan, logits=logits, target=target[start:stop], weight=ce_weight,
                         denom=denom, grad_scale=None if grad_scale is None else grad_scale[start:stop])
         losses.append(outs[0])
         if opts["return_z_loss"]:

@@ -32,19 +32,16 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     if need[1]:
         grad_w, grad_w_tmp = weight_grad_buffers(ws, accum_fp32)
     losses = []
-    plans = {}
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         xc = xs[start:stop]
         # logits in the activations' dtype (an lm_head's output), log-softmax in fp32
         student = torch.log_softmax(torch.mm(xc, ws.t()).float() / temperature, dim=-1)
         teacher = torch.log_softmax(torch.mm(xt[start:stop], wt.t()).float() / temperature, dim=-1)
-        if stop - start not in plans:
-            plans[stop - start] = core.chunk_plan(
-                stop - start, vocab, None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
-                ignore_index=opts["ignore_index"], n_total_rows=n, temperature=temperature,
-                compute_grad=compute_grad)
-        outs = run_plan(plans[stop - start], student=student, teacher=teacher,
+        plan = core.chunk_plan(  # cached: built once per chunk length
+            stop - start, vocab, None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
+            ignore_index=opts["ignore_index"], n_total_rows=n, temperature=temperature, compute_grad=compute_grad)
+        outs = run_plan(plan, student=student, teacher=teacher,
                         labels=None if labels is None else labels[start:stop], denom=denom)
         losses.append(outs[0])
         if not compute_grad:
