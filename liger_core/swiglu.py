@@ -7,7 +7,7 @@ a's and b's own memory (the frontend decides when that is allowed).
 Precision follows HF's eager ``act_fn(gate) * up`` in half precision: the activation is computed in fp32 and
 rounded to the input dtype, then multiplied (rounded again); the backward rounds ``dc * b`` before applying
 act' in fp32, as torch's autograd does. Everything is fp32 in registers (the interpreter cannot do bf16
-arithmetic); tanh is written with ``exp`` (no libdevice), erf is ``tl.erf`` (``math.erf`` in the interpreter,
+arithmetic); gelu's tanh is written as a sigmoid of ``exp`` (no libdevice), erf is ``tl.erf`` (``math.erf`` in the interpreter,
 libdevice's erff on the GPU).
 """
 
@@ -23,7 +23,7 @@ from .launch import (
     next_power_of_2, non_overlapping, warps_for,
 )
 from .rowwise import row_view
-from .tl_math import aligned, cast, round_to, tanh
+from .tl_math import aligned, cast, round_to
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 GELU_APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -37,12 +37,18 @@ _KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
+def _gelu_tanh_gate(a):
+    """sigmoid(2u) = (1 + tanh(u)) / 2 with u = sqrt(2/pi) (a + 0.044715 a^3): gelu_tanh(a) = a * gate."""
+    return 1.0 / (1.0 + tl.exp(-2.0 * _SQRT_2_OVER_PI * (a + _KAPPA * a * a * a)))
+
+
+@triton.jit
 def _activation(a, ACT: tl.constexpr):
     """act(a) in fp32."""
     if ACT == 0:
         return a / (1.0 + tl.exp(-a))
     elif ACT == 1:
-        return 0.5 * a * (1.0 + tanh(_SQRT_2_OVER_PI * (a + _KAPPA * a * a * a)))
+        return a * _gelu_tanh_gate(a)
     else:
         return 0.5 * a * (1.0 + tl.erf(a * _SQRT_1_2))
 
@@ -54,10 +60,11 @@ def _activation_and_derivative(a, ACT: tl.constexpr):
         sig = 1.0 / (1.0 + tl.exp(-a))
         return a * sig, sig * (1.0 + a * (1.0 - sig))
     elif ACT == 1:
-        t = tanh(_SQRT_2_OVER_PI * (a + _KAPPA * a * a * a))
-        right = 1.0 + t
+        # (1 + tanh(u)) / 2 = sigmoid(2u) and (1 - tanh(u)^2) / 2 = 2 s (1 - s): no 1 + tanh(u) cancellation,
+        # which for a < -4 left act'(a) (~1e-5 there) as 0 or with no correct digit.
+        s = _gelu_tanh_gate(a)
         d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _KAPPA * a * a)
-        return 0.5 * a * right, 0.5 * right + 0.5 * a * (1.0 - t * t) * d_inner
+        return a * s, s + 2.0 * a * s * (1.0 - s) * d_inner
     else:
         cdf = 0.5 * (1.0 + tl.erf(a * _SQRT_1_2))
         pdf = tl.exp(-0.5 * a * a) * _INV_SQRT_2PI

@@ -57,6 +57,17 @@ def test_activation_accurate_over_the_whole_range(act, device, seed):
     check(act, a, b, torch.float32, gen)
 
 
+def test_gelu_tanh_derivative_keeps_its_digits_in_the_negative_tail(device):
+    """For a in [-5.5, -3], gelu_tanh'(a) is 1e-9..1e-3: an absolute tolerance would pass a 0 there, which
+    is what 1 + tanh(u) (cancelling to 0 in fp32) once gave on the GPU. Relative accuracy of fp32 is required."""
+    a = torch.linspace(-5.5, -3.0, 101, dtype=torch.float32)[None].to(device)
+    _, da, _ = grads_of(lambda x, y: liger_torch.geglu(x, y, "tanh"), a, torch.ones_like(a), torch.ones_like(a))
+    _, want, _ = grads_of(lambda x, y: F.gelu(x, approximate="tanh") * y, a.double(), torch.ones_like(a).double(),
+                          torch.ones_like(a).double())
+    rel = ((da.double() - want).abs() / want.abs()).max().item()
+    assert rel <= 2e-5, f"gelu_tanh'(a) relative error {rel:.2e} in the negative tail"
+
+
 @pytest.mark.parametrize("layout", ["chunked", "transposed", "strided_columns"])
 def test_non_contiguous_inputs(layout, device, seed):
     gen = torch.Generator().manual_seed(seed)
