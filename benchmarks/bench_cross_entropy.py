@@ -3,7 +3,7 @@ against F.cross_entropy on fp32-upcast logits (eager and torch.compile), Liger-K
 
 from __future__ import annotations
 
-from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_runner, row_cases, sweep,
+from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_loss_runner, row_cases, sweep,
                       torch_pass_runner, unique_shapes)
 
 # vocabulary sizes (Llama-2, Mistral-Nemo-ish, Llama-3, Gemma) at 8k tokens, then tokens at Llama-3's vocabulary
@@ -72,9 +72,7 @@ def _make_jax(name, n, v, pass_):
             f = lambda x: liger_jax.cross_entropy(x, labels)
         else:
             f = lambda x: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), labels))
-        if pass_ == "fwd":
-            return jax_runner(f, logits)
-        return jax_runner(jax.grad(f), logits)
+        return jax_loss_runner(f, (logits,), pass_)
 
     return make
 

@@ -4,7 +4,7 @@ cut_cross_entropy and matmul + optax under XLA. Peak extra memory is the point a
 
 from __future__ import annotations
 
-from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_runner, passes,
+from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_loss_runner, passes,
                       provider_cases, sweep, torch_pass_runner, unique_shapes)
 
 # tokens at Llama-3-8B's (hidden, vocab), then vocabulary sizes at 8k tokens
@@ -75,9 +75,7 @@ def _make_jax(name, n, h, v, pass_):
         else:
             f = lambda a, k: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
                 (a @ k).astype(jnp.float32), labels))
-        if pass_ == "fwd":
-            return jax_runner(f, x, kernel)
-        return jax_runner(jax.grad(f, argnums=(0, 1)), x, kernel)
+        return jax_loss_runner(f, (x, kernel), pass_, argnums=(0, 1))
 
     return make
 

@@ -6,7 +6,7 @@ vocab) logits), bf16, beta 0.5, temperature 1, forward and forward+backward (stu
 from __future__ import annotations
 
 from .bench_jsd import BETA, jax_jsd_formula, jsd_formula
-from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_runner, passes,
+from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_loss_runner, passes,
                       provider_cases, sweep, torch_pass_runner, unique_shapes)
 
 SHAPES = unique_shapes(sweep({"hidden": 4096, "vocab": 128256}, "tokens", [1024, 2048, 4096, 8192, 16384]),
@@ -73,7 +73,7 @@ def _make_jax(name, n, h, v, pass_):
                 t = jax.nn.log_softmax((b @ c).astype(jnp.float32), -1)
                 return jax_jsd_formula(s, t, BETA)
         # the teacher's tensors are arguments (a closed-over array would be baked into the program)
-        return jax_runner(f if pass_ == "fwd" else jax.grad(f, argnums=(0, 1)), xs, ks, xt, kt)
+        return jax_loss_runner(f, (xs, ks, xt, kt), pass_, argnums=(0, 1))
 
     return make
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .harness import (TORCH_PROVIDERS, Case, eager_or_compiled, jax_key, jax_runner, row_cases, sweep,
+from .harness import (TORCH_PROVIDERS, Case, eager_or_compiled, jax_key, jax_loss_runner, row_cases, sweep,
                       torch_log_prob_pair_maker, unique_shapes)
 
 SHAPES = unique_shapes(sweep({"tokens": 8192}, "vocab", [32000, 65536, 128256, 256000]),
@@ -65,7 +65,7 @@ def _make_jax(name, n, v, pass_):
         s = jax.nn.log_softmax(jax.random.normal(k1, (n, v), jnp.float32), -1).astype(jnp.bfloat16)
         t = jax.nn.log_softmax(jax.random.normal(k2, (n, v), jnp.float32), -1).astype(jnp.bfloat16)
         f = (lambda a, b: liger_jax.jsd(a, b, beta=BETA)) if name == "liger_jax" else jax_jsd_formula
-        return jax_runner(f if pass_ == "fwd" else jax.grad(f), s, t)
+        return jax_loss_runner(f, (s, t), pass_)
 
     return make
 

@@ -4,7 +4,7 @@ fp32-upcast inputs (eager, torch.compile), Liger-Kernel's ``LigerKLDIVLoss`` and
 
 from __future__ import annotations
 
-from .harness import (TORCH_PROVIDERS, Case, eager_or_compiled, jax_key, jax_runner, row_cases, sweep,
+from .harness import (TORCH_PROVIDERS, Case, eager_or_compiled, jax_key, jax_loss_runner, row_cases, sweep,
                       torch_log_prob_pair_maker, unique_shapes)
 
 SHAPES = unique_shapes(sweep({"tokens": 8192}, "vocab", [32000, 65536, 128256, 256000]),
@@ -52,7 +52,7 @@ def _make_jax(name, n, v, pass_):
             def f(a, b):
                 af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
                 return jnp.sum(jnp.exp(bf) * (bf - af)) / a.shape[0]
-        return jax_runner(f if pass_ == "fwd" else jax.grad(f), x, t)  # the teacher passed, never a constant
+        return jax_loss_runner(f, (x, t), pass_)  # the teacher passed, never a constant
 
     return make
 

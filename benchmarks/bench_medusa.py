@@ -9,7 +9,7 @@ backward: memory is the point, and the throughput at equal work (TFLOP/s; tokens
 
 from __future__ import annotations
 
-from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_runner, provider_cases,
+from .harness import (TORCH_PROVIDERS, Case, device, eager_or_compiled, jax_key, jax_loss_runner, provider_cases,
                       sweep, torch_pass_runner, unique_shapes)
 
 _BASE = {"tokens": 8192, "hidden": 4096, "vocab": 128256}
@@ -101,7 +101,7 @@ def _make_jax(name, shape):
                     rows = jax.nn.logsumexp(logits, -1) - picked
                     total = total + jnp.sum(jnp.where(valid, rows, 0.0)) / jnp.sum(valid)
                 return total
-        return jax_runner(jax.grad(f, argnums=(0, 1)), h, kernels, targets)
+        return jax_loss_runner(f, (h, kernels, targets), "fwd+bwd", argnums=(0, 1))
 
     return make
 

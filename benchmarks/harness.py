@@ -784,9 +784,25 @@ def jax_pass_runner(f, inputs, cotangent, pass_):
 
     def forward_and_backward(args, d):
         out, pullback = jax.vjp(f, *args)
-        return out, pullback(d)
+        # Gradients first: jax ties each donated input to the first unclaimed output of its shape, and an
+        # in-place backward (gated activations, RoPE) writes each gradient over its own input; with the forward's
+        # output first, a donated input went to it and XLA copied the inputs the kernel overwrites.
+        return pullback(d), out
 
     return jax_runner(forward_and_backward, tuple(inputs), cotangent)
+
+
+def jax_loss_runner(f, args, pass_, argnums=0):
+    """A loss's runner: ``fwd`` the loss; ``fwd+bwd`` ``jax.value_and_grad`` at ``argnums``. The loss value is
+    returned with the gradients, as a training step logs it (and as torch's ``loss.backward()`` computes it):
+    with ``jax.grad`` alone XLA drops a forward whose gradient does not need it (KL's gradient is the
+    teacher's), and "fwd+bwd" would time the backward alone."""
+    import jax
+
+    if pass_ == "fwd":
+        return jax_runner(f, *args)
+    value_and_grad = jax.value_and_grad(f, argnums=argnums)
+    return jax_runner(lambda *a: value_and_grad(*a)[::-1], *args)  # gradients first, as in jax_pass_runner
 
 
 def jax_key(*ints):
