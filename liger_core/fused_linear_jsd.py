@@ -2,10 +2,10 @@
 (student) and ``log_softmax(xt @ Wt^T / T)`` (teacher) without either full (N, V) logits tensor.
 
 The frontends orchestrate, with their own matmuls (as for :mod:`liger_core.fused_linear_cross_entropy`), a
-loop over chunks of tokens: for each chunk, both heads' logits (in the activations' dtypes), their
-temperature-scaled log-softmax in fp32 (a framework op), then the JSD kernel, which sums the chunk's losses and
-writes d loss / d student logits (``(g - softmax * sum g) / T``) over the student log-probabilities; then
-``grad_xs[chunk] = dz @ Ws`` and ``grad_Ws += dz^T @ xs_chunk``. The mean's divisor (non-ignored labels, or
+loop over chunks of tokens: for each chunk, both heads' logits (in the activations' dtypes), then the JSD
+kernel on those logits: it forms the temperature-scaled log-softmax in fp32 in registers (a logsumexp sweep
+first), sums the chunk's losses and writes d loss / d student logits (``(g - softmax * sum g) / T``) over the
+student logits; then ``grad_xs[chunk] = dz @ Ws`` and ``grad_Ws += dz^T @ xs_chunk``. The mean's divisor (non-ignored labels, or
 all rows) is that of the whole batch, counted first, so every chunk's gradient is already the full loss's.
 The teacher is a constant: neither its hidden states nor its head get a gradient.
 
@@ -22,17 +22,19 @@ from . import fused_linear_cross_entropy as flce
 from . import jsd
 from .launch import ArrayInfo, Plan, as_real
 
-# A chunk holds two fp32 (rows, V) log-probability buffers (student and teacher), 128 MiB each (256 rows of a
-# 128256-token vocabulary); not tuned on a GPU yet (the cross-entropy's workspace was, to 512 MiB).
-WORKSPACE_BYTES = 128 * 2**20
+# A chunk holds the two heads' (rows, V) logits; the student's in at most this many bytes (the fused linear
+# cross-entropy's tuned workspace: 2048 rows of a 128256-token vocabulary in bf16), the teacher's alike in its
+# dtype. Fewer rows cost more: each chunk's weight-gradient matmul has K = rows and adds into an fp32 V x H
+# accumulator (H200, scripts/tune_flce.py: K=512 chunks 25.8 ms, K=2048 14.6 ms, one K=8192 matmul 13.2 ms).
+WORKSPACE_BYTES = flce.DEFAULT_WORKSPACE_BYTES
 LAYOUTS = flce.LAYOUTS
 accumulate_in_fp32 = flce.accumulate_in_fp32
 
 
-def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None = None) -> int:
-    """Rows per chunk: ``chunk_size`` if given, else as many as fit one fp32 (rows, V) buffer in
-    :data:`WORKSPACE_BYTES` (the fused linear cross-entropy's chunk-size logic)."""
-    return flce.chunk_rows(n_rows, vocab, "float32", chunk_size, workspace_bytes=WORKSPACE_BYTES)
+def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = None) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else as many as fit the student's (rows, V) logits in ``dtype``
+    in :data:`WORKSPACE_BYTES` (the fused linear cross-entropy's chunk-size logic)."""
+    return flce.chunk_rows(n_rows, vocab, dtype, chunk_size, workspace_bytes=WORKSPACE_BYTES)
 
 
 def check_options(*, beta, ignore_index, temperature) -> None:
@@ -69,13 +71,14 @@ def count_plan(n_rows: int, labels_dtype: str, ignore_index: int) -> Plan:
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
-def chunk_plan(rows: int, vocab: int, labels_dtype: str | None, *, beta: float, ignore_index: int,
-               n_total_rows: int, temperature: float, compute_grad: bool) -> Plan:
-    """The JSD step of one chunk of contiguous fp32 (rows, V) log-probabilities; see
+def chunk_plan(rows: int, vocab: int, student_dtype: str, teacher_dtype: str, labels_dtype: str | None, *,
+               beta: float, ignore_index: int, n_total_rows: int, temperature: float, compute_grad: bool) -> Plan:
+    """The JSD step of one chunk of the two heads' contiguous (rows, V) logits; see
     :func:`liger_core.jsd.chunk_plan` (inputs ``student``, ``teacher``, [``labels``, ``denom``]; outputs fp32
-    ``loss_rows`` and [``grad``: d loss / d student logits, over the student log-probabilities])."""
-    return jsd.chunk_plan(rows, vocab, "float32", labels_dtype, beta=beta, ignore_index=ignore_index,
-                          n_total_rows=n_total_rows, temperature=temperature, compute_grad=compute_grad)
+    ``loss_rows`` and [``grad``: d loss / d student logits, written over them])."""
+    return jsd.chunk_plan(rows, vocab, student_dtype, teacher_dtype, labels_dtype, beta=beta,
+                          ignore_index=ignore_index, n_total_rows=n_total_rows, temperature=temperature,
+                          compute_grad=compute_grad)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments

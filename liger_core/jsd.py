@@ -27,9 +27,10 @@ A zero probability (log-probability -inf) contributes 0 to the loss and the grad
 
 Kernel: one program per row, one sweep over vocabulary blocks in fp32 that sums the loss and writes the
 gradient (for an incoming gradient of 1; the backward scales it, :func:`backward_plan`). For the fused linear
-JSD (:mod:`liger_core.fused_linear_jsd`) the kernel instead makes a second sweep and writes the gradient with
-respect to the logits ``z`` the log-probabilities came from, ``x = log_softmax(z / T)``:
-``(g - softmax * sum(g)) / T``, over the log-probabilities in place.
+JSD (:mod:`liger_core.fused_linear_jsd`) the kernel reads the two heads' logits ``z`` instead (any float dtype):
+a first sweep takes both rows' logsumexp of ``z / T``, so that ``x = log_softmax(z / T)`` is formed in
+registers, and a last sweep writes the gradient with respect to the student's logits,
+``(g - softmax * sum(g)) / T``, over them in place. No fp32 log-probability buffer exists.
 """
 
 from __future__ import annotations
@@ -94,6 +95,36 @@ def _pointwise(x, y, beta, MODE: tl.constexpr):
 
 
 @triton.jit
+def _logsumexp_row(row_ptr, col_stride, n_cols, scale, BLOCK: tl.constexpr):
+    """logsumexp of ``row * scale`` over n_cols columns, fp32, with an online max (one read of the row)."""
+    offsets = tl.arange(0, BLOCK)
+    m = float("-inf")
+    d = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        mask = cols < n_cols
+        z = tl.load(row_ptr + cols * col_stride, mask=mask, other=0.0).to(tl.float32) * scale
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+    return m + tl.log(d)
+
+
+@triton.jit
+def _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
+               FROM_LOGITS: tl.constexpr):
+    """One block of the student's and teacher's log-probabilities, fp32: loaded as they are, or formed from
+    logits as ``z / T - lse``."""
+    x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
+    if FROM_LOGITS:
+        x = x * inv_temperature - lse_x
+        y = y * inv_temperature - lse_y
+    return x, y
+
+
+@triton.jit
 def _jsd_kernel(
     X, x_row_stride, x_col_stride,
     Y, y_row_stride, y_col_stride,
@@ -103,7 +134,7 @@ def _jsd_kernel(
     n_cols, ignore_index, beta, scale, inv_temperature,
     LOSS, GRAD,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_GRAD: tl.constexpr,
-    LOGITS_GRAD: tl.constexpr, ALIGN: tl.constexpr,
+    FROM_LOGITS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     x_row_stride = aligned(x_row_stride, ALIGN)
     y_row_stride = aligned(y_row_stride, ALIGN)
@@ -130,31 +161,39 @@ def _jsd_kernel(
     else:
         row_scale = scale
 
+    # Sweep 0 (logits): both rows' logsumexp of z / T, online; then x = z / T - lse_x (y alike) in registers.
+    lse_x = 0.0
+    lse_y = 0.0
+    if FROM_LOGITS:
+        lse_x = _logsumexp_row(x_row, x_col_stride, n_cols, inv_temperature, BLOCK)
+        lse_y = _logsumexp_row(y_row, y_col_stride, n_cols, inv_temperature, BLOCK)
+
     # Sweep 1: the loss, and the gradient (or, for logits, the row sum of the gradient).
     loss_acc = tl.zeros([BLOCK], dtype=tl.float32)
     g_acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
         mask = cols < n_cols
-        x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
+        x, y = _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
+                          FROM_LOGITS)
         loss, dx = _pointwise(x, y, beta, MODE)
         loss_acc += tl.where(mask, loss, 0.0)
-        if LOGITS_GRAD:
-            g_acc += tl.where(mask, dx, 0.0)
+        if FROM_LOGITS:
+            if HAS_GRAD:
+                g_acc += tl.where(mask, dx, 0.0)
         elif HAS_GRAD:
             tl.store(grad_row + cols * grad_col_stride, cast(dx * row_scale, GRAD.dtype.element_ty), mask=mask)
     tl.store(LOSS + row, tl.sum(loss_acc, axis=0) * row_scale)
 
-    # Sweep 2 (fused linear JSD): d loss / d z for x = log_softmax(z / T), written over x.
-    if LOGITS_GRAD:
+    # Sweep 2 (logits): d loss / d z for x = log_softmax(z / T), written over the student's z.
+    if FROM_LOGITS and HAS_GRAD:
         g_sum = tl.sum(g_acc, axis=0)
         factor = row_scale * inv_temperature
         for start in range(0, n_cols, BLOCK):
             cols = start + offsets
             mask = cols < n_cols
-            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
+            x, y = _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
+                              FROM_LOGITS)
             _, dx = _pointwise(x, y, beta, MODE)
             dz = (dx - tl.exp(x) * g_sum) * factor
             tl.store(grad_row + cols * grad_col_stride, cast(dz, GRAD.dtype.element_ty), mask=mask)
@@ -217,9 +256,11 @@ def count_launch(labels: ArrayInfo, ignore_index: int) -> Launch:
 
 def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None, *, beta: float,
                 ignore_index: int, n_total_rows: int, compute_grad: bool, in_place: bool,
-                logits_grad: bool = False, temperature: float = 1.0) -> Launch:
+                from_logits: bool = False, temperature: float = 1.0) -> Launch:
     """The per-row kernel: fp32 ``loss_rows`` (n_rows,), already divided by the mean's divisor (input ``denom``
-    with labels, ``n_total_rows`` without), and ``grad`` (written over ``student`` with ``in_place``)."""
+    with labels, ``n_total_rows`` without), and ``grad`` (written over ``student`` with ``in_place``).
+    ``from_logits``: student and teacher are logits; the loss is that of ``log_softmax(z / temperature)`` and
+    ``grad`` is d loss / d student logits."""
     n_rows, n_cols, x_row_stride, x_col_stride = _rows(student, "student")
     _, _, y_row_stride, y_col_stride = _rows(teacher, "teacher")
     dense = x_col_stride == 1 and (n_rows == 1 or x_row_stride >= n_cols)
@@ -227,8 +268,8 @@ def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None
         grad = NewBuffer("grad", student.shape, student.dtype, alias="student")
         g_row_stride, g_col_stride = x_row_stride, x_col_stride
     elif compute_grad:
-        if logits_grad:
-            raise ValueError("the logits gradient is written over the student log-probabilities: they must be dense")
+        if from_logits:
+            raise ValueError("the logits gradient is written over the student logits: they must be dense")
         grad = NewBuffer("grad", student.shape, student.dtype)
         g_row_stride, g_col_stride = n_cols, 1
     else:
@@ -247,7 +288,7 @@ def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None
               n_cols, int(ignore_index), float(beta), 1.0 / max(int(n_total_rows), 1), 1.0 / float(temperature)),
         outputs=(NewBuffer("loss_rows", (n_rows,), "float32"), grad),
         constexprs={"BLOCK": block, "MODE": _mode(beta), "HAS_LABELS": has_labels,
-                    "HAS_GRAD": bool(compute_grad), "LOGITS_GRAD": bool(compute_grad and logits_grad)},
+                    "HAS_GRAD": bool(compute_grad), "FROM_LOGITS": bool(from_logits)},
         num_warps=warps_for(block, max_warps=8),
     )
 
@@ -299,17 +340,18 @@ def count_plan(n_rows: int, labels_dtype: str, ignore_index: int) -> Plan:
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
-def chunk_plan(rows: int, vocab: int, logprobs_dtype: str, labels_dtype: str | None, *, beta: float,
-               ignore_index: int, n_total_rows: int, temperature: float, compute_grad: bool) -> Plan:
-    """One chunk of contiguous (rows, V) log-probabilities ``log_softmax(z / temperature)`` of a larger batch
-    (fused linear JSD). Inputs ``student``, ``teacher`` (and ``labels`` (rows,) and ``denom`` from
-    :func:`count_plan`); outputs fp32 ``loss_rows`` (already divided by the whole batch's divisor:
-    ``denom``, or ``n_total_rows`` without labels) and, with ``compute_grad``, ``grad``: d loss / d z, written
-    over the student log-probabilities."""
-    student = ArrayInfo.contiguous((rows, vocab), logprobs_dtype)
+def chunk_plan(rows: int, vocab: int, student_dtype: str, teacher_dtype: str, labels_dtype: str | None, *,
+               beta: float, ignore_index: int, n_total_rows: int, temperature: float, compute_grad: bool) -> Plan:
+    """One chunk of contiguous (rows, V) logits ``z`` of a larger batch (fused linear JSD), whose
+    ``log_softmax(z / temperature)`` are compared. Inputs ``student``, ``teacher`` (and ``labels`` (rows,) and
+    ``denom`` from :func:`count_plan`); outputs fp32 ``loss_rows`` (already divided by the whole batch's
+    divisor: ``denom``, or ``n_total_rows`` without labels) and, with ``compute_grad``, ``grad``: d loss / d z,
+    written over the student logits."""
+    student = ArrayInfo.contiguous((rows, vocab), student_dtype)
+    teacher = ArrayInfo.contiguous((rows, vocab), teacher_dtype)
     labels = None if labels_dtype is None else ArrayInfo.contiguous((rows,), labels_dtype)
-    launch = rows_launch(student, student, labels, beta=beta, ignore_index=ignore_index,
-                         n_total_rows=n_total_rows, compute_grad=compute_grad, in_place=True, logits_grad=True,
+    launch = rows_launch(student, teacher, labels, beta=beta, ignore_index=ignore_index,
+                         n_total_rows=n_total_rows, compute_grad=compute_grad, in_place=True, from_logits=True,
                          temperature=temperature)
     inputs = ("student", "teacher") + (("labels", "denom") if labels is not None else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("loss_rows", "grad") if compute_grad else ("loss_rows",))

@@ -110,6 +110,21 @@ def test_bf16_without_fp32_accumulation(device, seed):
     assert_close(grads[1] * N, grads_ref[1] * N, torch.bfloat16, "dweight", scale=2 * N ** 0.5)
 
 
+def test_teacher_in_another_dtype(device, seed):
+    """A bf16 student against an fp32 teacher: the kernel reads each head's logits in its own dtype."""
+    xs, ws, _, _, labels = draw(seed, torch.bfloat16, device=device)
+    _, _, xt, wt, _ = draw(seed + 1, torch.float32, device=device)
+    loss, grads = grads_of(lambda a, b: liger_torch.fused_linear_jsd(a, b, xt, wt, labels, temperature=1.5,
+                                                                     chunk_size=CHUNK), (xs, ws),
+                           torch.tensor(1.0, device=device))
+    loss_ref, grads_ref = grads_of(lambda a, b: reference(a, b, xt, wt, labels, temperature=1.5), (xs, ws),
+                                   torch.tensor(1.0, device=device, dtype=torch.float64))
+    assert_close(loss, loss_ref, torch.bfloat16, "loss", scale=4.0)
+    count = int((labels != -100).sum())
+    assert_close(grads[0] * count, grads_ref[0] * count, torch.bfloat16, "dstudent_input", scale=2.0)
+    assert_close(grads[1] * count, grads_ref[1] * count, torch.bfloat16, "dstudent_weight", scale=2 * N ** 0.5)
+
+
 def test_all_ignored_and_no_grad(device, seed):
     xs, ws, xt, wt, labels = draw(seed, torch.float32, device=device)
     labels = torch.full_like(labels, -100)
@@ -133,11 +148,12 @@ def test_second_backward_is_refused(device, seed):
 
 def test_chunk_size_is_a_bounded_workspace():
     rows = liger_core.fused_linear_jsd.chunk_rows
-    # two fp32 (rows, V) buffers of liger_core.fused_linear_jsd.WORKSPACE_BYTES each
-    assert rows(8192, 128256) == rows(10**6, 128256) == 256
-    assert 256 * 128256 * 4 <= liger_core.fused_linear_jsd.WORKSPACE_BYTES
-    assert rows(100, 128256) == 100
-    assert rows(50, 10, chunk_size=8) == 8
+    # the student's (rows, V) logits in liger_core.fused_linear_jsd.WORKSPACE_BYTES (the teacher's as many again)
+    assert rows(8192, 128256, "bfloat16") == rows(10**6, 128256, "bfloat16") == 2048
+    assert 2048 * 128256 * 2 <= liger_core.fused_linear_jsd.WORKSPACE_BYTES
+    assert rows(10**6, 128256, "float32") == 1024
+    assert rows(100, 128256, "bfloat16") == 100
+    assert rows(50, 10, "float32", chunk_size=8) == 8
 
 
 def _make(d, xs_shape=(4, 8), ws_shape=(10, 8), xt_shape=(4, 6), wt_shape=(10, 6), dtype=torch.float32,

@@ -1,5 +1,5 @@
-"""Fused linear JSD for jax: a ``lax.scan`` over token chunks of XLA matmuls and log-softmaxes around the JSD
-kernel of :mod:`liger_core.jsd` (``custom_vjp``).
+"""Fused linear JSD for jax: a ``lax.scan`` over token chunks of XLA matmuls around the JSD kernel of
+:mod:`liger_core.jsd` on logits (``custom_vjp``).
 
 The forward rule computes the gradients of the student's hidden states and kernel chunk by chunk (the kernel
 gradient accumulated in the scan carry, fp32 by default for half-precision kernels); the backward scales them
@@ -29,11 +29,10 @@ from .cross_entropy import _mapped_over_batch
 from .fused_linear_cross_entropy import scan_from_first_chunk, sum_rows
 
 
-def _log_probs(xc, kernel, layout, temperature):
-    # (C, H) x kernel -> (C, V) in the activations' dtype (an lm_head's output), then log-softmax in fp32
+def _logits(xc, kernel, layout):
+    # (C, H) x kernel -> (C, V) in the activations' dtype (an lm_head's output); the kernel takes the log-softmax
     dims = (((1,), (0 if layout == "hv" else 1,)), ((), ()))
-    logits = jax.lax.dot_general(xc, kernel, dims).astype(xc.dtype)
-    return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jax.lax.dot_general(xc, kernel, dims).astype(xc.dtype)
 
 
 def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
@@ -44,7 +43,7 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
     n = xs.shape[0]
     n_total = n if shards is None else math.prod(shards.global_shapes[0][:-1])
     vocab = ws.shape[1 if layout == "hv" else 0]
-    rows = core.chunk_rows(n, vocab, chunk_size)
+    rows = core.chunk_rows(n, vocab, dtype_name(xs.dtype), chunk_size)
     n_chunks = -(-n // rows)
     pad = n_chunks * rows - n
     denom = None
@@ -56,20 +55,20 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
     xts = jnp.pad(xt, ((0, pad), (0, 0))).reshape(n_chunks, rows, xt.shape[1])
     ls = None if labels is None else jnp.pad(labels, (0, pad), constant_values=opts["ignore_index"]).reshape(
         n_chunks, rows)
-    plan = core.chunk_plan(rows, vocab, None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
+    plan = core.chunk_plan(rows, vocab, dtype_name(xs.dtype), dtype_name(xt.dtype),
+                           None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
                            ignore_index=opts["ignore_index"], n_total_rows=n_total, temperature=opts["temperature"],
                            compute_grad=compute_grad)
     acc_dtype = jnp.float32 if accum_fp32 else ws.dtype
-    temperature = opts["temperature"]
 
     def body(gw, chunk):
         xsc, xtc, lc = chunk
-        student = _log_probs(xsc, ws, layout, temperature)
-        teacher = jax.lax.stop_gradient(_log_probs(xtc, wt, layout, temperature))
+        student = _logits(xsc, ws, layout)
+        teacher = jax.lax.stop_gradient(_logits(xtc, wt, layout))
         outs = run_plan(plan, student=student, teacher=teacher, labels=lc, denom=denom)
         if not compute_grad:
             return gw, (outs[0],)
-        dlogits = outs[1].astype(xs.dtype)
+        dlogits = outs[1]  # over the student's logits, in their dtype
         # dx = dlogits @ W (contract V); dW += x^T dlogits (hv) or dlogits^T x (vh), accumulated in acc_dtype.
         dx = jax.lax.dot_general(dlogits, ws, (((1,), (1 if layout == "hv" else 0,)), ((), ())))
         if layout == "hv":
@@ -150,8 +149,9 @@ def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kerne
     same leading shape and kernel (Ht, V); ``transpose=True`` takes (V, H) matrices for both instead (tied
     ``nnx.Embed.embedding``), used as ``x @ kernel.T``. Each kernel has its input's dtype. ``labels``, ``beta``
     and ``ignore_index`` as in :func:`liger_jax.jsd` (mean over non-ignored rows); not multiplied by
-    ``temperature**2``. Tokens go through a ``lax.scan`` in chunks of ``chunk_size`` rows (default: two fp32
-    (rows, V) buffers of ``liger_core.fused_linear_jsd.WORKSPACE_BYTES`` each).
+    ``temperature**2``. Tokens go through a ``lax.scan`` in chunks of ``chunk_size`` rows (default: as many as
+    fit the student's (rows, V) logits in ``liger_core.fused_linear_jsd.WORKSPACE_BYTES``, the teacher's as many
+    again); the logits are in the inputs' dtypes and their log-softmax is taken in fp32 inside the kernel.
     ``accum_dtype_fp32``: accumulate the student kernel's gradient in fp32 (default: on for bf16/fp16
     kernels). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_kernel``; the
     teacher is a constant (zero cotangents).
@@ -165,7 +165,7 @@ def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kerne
     core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
     vocab = core.check_inputs(info(xs), info(ws), info(xt), info(wt), optional_info(labels), layout=layout,
                               student_w_name="student_kernel", teacher_w_name="teacher_kernel")
-    core.chunk_rows(1, vocab, chunk_size)  # validates chunk_size
+    core.chunk_rows(1, vocab, dtype_name(xs.dtype), chunk_size)  # validates chunk_size
     opts = _FrozenDict(beta=float(beta), ignore_index=int(ignore_index), temperature=float(temperature))
     accum_fp32 = core.accumulate_in_fp32(dtype_name(ws.dtype), accum_dtype_fp32)
     static = (opts, layout, chunk_size, accum_fp32, tuple(xs.shape), (xs.dtype, ws.dtype))

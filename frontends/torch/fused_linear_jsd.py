@@ -1,4 +1,4 @@
-"""Fused linear JSD for torch: a chunk loop of torch matmuls and log-softmaxes around :mod:`liger_core.jsd`.
+"""Fused linear JSD for torch: a chunk loop of torch matmuls around :mod:`liger_core.jsd` on logits.
 
 The gradients (of the student's hidden states and head) are computed during the forward, chunk by chunk;
 the backward scales them by the incoming scalar (once: a second backward is refused).
@@ -23,7 +23,7 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     vocab = ws.shape[0]
     temperature = opts["temperature"]
     compute_grad = any(need)
-    rows = core.chunk_rows(n, vocab, chunk_size)
+    rows = core.chunk_rows(n, vocab, dtype_name(xs.dtype), chunk_size)
     denom = None
     if labels is not None:
         (denom,) = run_plan(core.count_plan(n, dtype_name(labels.dtype), opts["ignore_index"]), labels=labels)
@@ -35,18 +35,19 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         xc = xs[start:stop]
-        # logits in the activations' dtype (an lm_head's output), log-softmax in fp32
-        student = torch.log_softmax(torch.mm(xc, ws.t()).float() / temperature, dim=-1)
-        teacher = torch.log_softmax(torch.mm(xt[start:stop], wt.t()).float() / temperature, dim=-1)
+        # logits in the activations' dtype (an lm_head's output); the kernel takes their log-softmax in fp32
+        student = torch.mm(xc, ws.t())
+        teacher = torch.mm(xt[start:stop], wt.t())
         plan = core.chunk_plan(  # cached: built once per chunk length
-            stop - start, vocab, None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
+            stop - start, vocab, dtype_name(student.dtype), dtype_name(teacher.dtype),
+            None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
             ignore_index=opts["ignore_index"], n_total_rows=n, temperature=temperature, compute_grad=compute_grad)
         outs = run_plan(plan, student=student, teacher=teacher,
                         labels=None if labels is None else labels[start:stop], denom=denom)
         losses.append(outs[0])
         if not compute_grad:
             continue
-        dlogits = outs[1].to(xs.dtype)
+        dlogits = outs[1]  # over the student's logits
         grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
         accumulate_linear_grads(dlogits, xc, ws, grad_x_chunk, grad_w, grad_w_tmp, need, first=start == 0)
     return torch.cat(losses), grad_x, grad_w
@@ -130,9 +131,9 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     ``student_input`` (..., Hs) with ``student_weight`` (V, Hs); ``teacher_input`` (..., Ht) with the same
     leading shape and ``teacher_weight`` (V, Ht); each head in its input's dtype. ``labels`` (...), ``beta`` and
     ``ignore_index`` as in :func:`liger_torch.jsd` (mean over non-ignored rows). The loss is not multiplied by
-    ``temperature**2``. Tokens go through in chunks of ``chunk_size`` rows (default: two fp32 (rows, V) buffers of
-    ``liger_core.fused_linear_jsd.WORKSPACE_BYTES`` each); the logits are in the inputs'
-    dtypes (as an lm_head's output) and their log-softmax in fp32. ``accum_dtype_fp32``: accumulate the
+    ``temperature**2``. Tokens go through in chunks of ``chunk_size`` rows (default: as many as fit the student's
+    (rows, V) logits in ``liger_core.fused_linear_jsd.WORKSPACE_BYTES``, the teacher's as many again); the
+    logits are in the inputs' dtypes (as an lm_head's output) and their log-softmax in fp32. ``accum_dtype_fp32``: accumulate the
     student weight's gradient over chunks in fp32 (default: on for bf16/fp16 weights). Loss in the student's
     dtype. Differentiable in ``student_input`` and ``student_weight``; the teacher is a constant, and a teacher
     tensor that requires grad raises ValueError (detach it, or freeze the teacher).
@@ -148,7 +149,7 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
     vocab = core.check_inputs(info(student_input), info(student_weight), info(teacher_input), info(teacher_weight),
                               optional_info(labels))
-    core.chunk_rows(1, vocab, chunk_size)  # validates chunk_size
+    core.chunk_rows(1, vocab, dtype_name(student_input.dtype), chunk_size)  # validates chunk_size
     grad_on = torch.is_grad_enabled()
     for name, t in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
         if grad_on and t.requires_grad:

@@ -63,6 +63,9 @@ def cases():
         "kl_div backward": (kl_div.backward_plan(scalar, logits, logits, reduction="sum"),
                             {"grad_output": scalar, "target": logits}),
         "jsd": (jsd.forward_plan(logits, logits), {"student": logits, "teacher": logits}),
+        "jsd on logits": (jsd.chunk_plan(64, 32000, "bfloat16", "bfloat16", None, beta=0.5, ignore_index=-100,
+                                         n_total_rows=64, temperature=2.0, compute_grad=True),
+                          {"student": logits, "teacher": logits}),
     }
 
 

@@ -36,9 +36,9 @@ BUILDERS = {
                                                                   label_smoothing=0.0, lse_square_scale=0.0,
                                                                   softcap=None, return_z_loss=False,
                                                                   compute_grad=True),
-    "fused_linear_jsd chunk": lambda: fused_linear_jsd.chunk_plan(64, 1000, None, beta=0.5, ignore_index=-100,
-                                                                   n_total_rows=64, temperature=1.0,
-                                                                   compute_grad=True),
+    "fused_linear_jsd chunk": lambda: fused_linear_jsd.chunk_plan(64, 1000, "bfloat16", "float32", None, beta=0.5,
+                                                                   ignore_index=-100, n_total_rows=64,
+                                                                   temperature=1.0, compute_grad=True),
 }
 
 
