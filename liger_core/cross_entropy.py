@@ -127,7 +127,7 @@ def _cross_entropy_kernel(
     LOSS, Z_LOSS, GRAD,
     BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr, REVERSED: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     x_row_stride = aligned(x_row_stride, ALIGN)
     grad_row_stride = aligned(grad_row_stride, ALIGN)
@@ -206,11 +206,8 @@ def _cross_entropy_kernel(
             a = a * g
             b = b * g
             c = c * g
-        n_blocks = tl.cdiv(n_cols, BLOCK_V)
-        for i in range(0, n_blocks):
-            # REVERSED: the gradient sweep starts with the blocks the first sweep read last, the ones most
-            # likely still in L2 (a 128k-vocabulary bf16 row is 250 KB; the rows in flight outgrow L2)
-            cols = (n_blocks - 1 - i if REVERSED else i) * BLOCK_V + offsets
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + offsets
             mask = cols < n_cols
             x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
@@ -344,7 +341,7 @@ def block_v(n_cols: int) -> int:
 def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                 reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                 return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
-                grad_scale: ArrayInfo | None = None, reversed_gradient_sweep: bool = True) -> Launch:
+                grad_scale: ArrayInfo | None = None) -> Launch:
     """The per-row kernel: outputs ``loss_rows`` (already divided by the mean's denominators; needs the
     ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``)."""
     n_rows, n_cols, row_stride, col_stride = row_view(logits, "logits")
@@ -385,7 +382,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         constexprs={"BLOCK_V": bv, "HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
                     "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
                     "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
-                    "HAS_GRAD_SCALE": grad_scale is not None, "REVERSED": bool(reversed_gradient_sweep)},
+                    "HAS_GRAD_SCALE": grad_scale is not None},
         num_warps=warps_for(bv, max_warps=16),
     )
 
@@ -395,15 +392,13 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                  compute_grad: bool = True, in_place: bool = False, logits_name: str = "logits",
-                 target_name: str = "target", weight_name: str = "weight",
-                 reversed_gradient_sweep: bool = True) -> Plan:
+                 target_name: str = "target", weight_name: str = "weight") -> Plan:
     """Plan for the loss (and its gradient) of logits ``(..., V)`` against integer ``target`` ``(...)``.
 
     Inputs ``logits``, ``target`` (and ``weight``). Outputs ``loss`` (shape () for mean/sum, target's shape
     for none; logits' dtype), then ``z_loss`` with ``return_z_loss``, then ``grad`` (d loss / d logits, for an
     incoming gradient of 1; logits' dtype) with ``compute_grad``, written over the logits with ``in_place``
     when they are dense. ``*_name`` are the arguments' names in the caller's API, for error messages.
-    ``reversed_gradient_sweep`` (for tuning) walks the row's blocks backwards when writing the gradient.
     """
     check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                   lse_square_scale=lse_square_scale, softcap=softcap)
@@ -418,8 +413,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     launches.append(rows_launch(
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape,
-        reversed_gradient_sweep=reversed_gradient_sweep))
+        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape))
     outputs = ["loss_rows"]
     if return_z_loss:
         outputs.append("z_rows")
