@@ -55,15 +55,19 @@ def _denominators_kernel(
     DENOM,
     BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):
-    """DENOM[0] = sum of w[t] over valid rows (their count without weights), DENOM[1] = count of valid rows."""
+    """DENOM[0] = sum of w[t] over valid rows (their count without weights), DENOM[1] = count of valid rows,
+    DENOM[2] = count of invalid targets (neither ignore_index nor in [0, n_cols)), for the frontends' check."""
     count = tl.zeros([BLOCK], dtype=tl.float32)
+    n_bad = tl.zeros([BLOCK], dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         in_range = rows < n_rows
         t = tl.load(T + rows.to(tl.int64) * t_stride, mask=in_range, other=0).to(tl.int64)
-        valid = in_range & (t != ignore_index) & (t >= 0) & (t < n_cols)
+        kept = in_range & (t != ignore_index)
+        valid = kept & (t >= 0) & (t < n_cols)
         count += valid.to(tl.float32)
+        n_bad += (kept & ~valid).to(tl.float32)
         if HAS_WEIGHT:
             safe = tl.where(valid, t, 0)
             weight_sum += tl.load(W + safe * w_stride, mask=valid, other=0.0).to(tl.float32)
@@ -73,6 +77,7 @@ def _denominators_kernel(
     else:
         tl.store(DENOM, n_valid)
     tl.store(DENOM + 1, n_valid)
+    tl.store(DENOM + 2, tl.sum(n_bad, axis=0))
 
 
 @triton.jit
@@ -319,7 +324,8 @@ def check_inputs(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None,
 
 
 def denominators_launch(target: ArrayInfo, weight: ArrayInfo | None, n_classes: int, ignore_index: int) -> Launch:
-    """``denom`` (2,) fp32: [sum of w[target] over valid rows (or their count), count of valid rows]."""
+    """``denom`` (3,) fp32: [sum of w[target] over valid rows (or their count), count of valid rows, count of
+    invalid targets]."""
     n_rows = target.numel
     has_weight = weight is not None
     return Launch(
@@ -328,7 +334,7 @@ def denominators_launch(target: ArrayInfo, weight: ArrayInfo | None, n_classes: 
         args=(Buf("target"), target_stride(target),
               Buf("weight" if has_weight else "target"), weight.strides[0] if has_weight else 0,
               n_rows, n_classes, int(ignore_index)),
-        outputs=(NewBuffer("denom", (2,), "float32"),),
+        outputs=(NewBuffer("denom", (3,), "float32"),),
         constexprs={"BLOCK": min(_COUNT_BLOCK, next_power_of_2(n_rows)), "HAS_WEIGHT": has_weight},
         num_warps=4,
     )
@@ -431,7 +437,8 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: int, ignore_index: int) -> Plan:
-    """Plan for ``denom`` (2,) fp32, the divisors of a mean over many chunks (see :func:`chunk_plan`)."""
+    """Plan for ``denom`` (3,) fp32, the divisors of a mean over many chunks (see :func:`chunk_plan`), and the
+    count of invalid targets."""
     launch = denominators_launch(target, weight, n_classes, ignore_index)
     inputs = ("target", "weight") if weight is not None else ("target",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("denom",))

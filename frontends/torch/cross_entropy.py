@@ -19,11 +19,15 @@ from ._launch import check_tensors, info, optional_info, rowwise, run_plan
 def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target") -> None:
     """Raise ValueError if a target is outside [0, n_classes) and not ignore_index.
 
-    One fused reduction over the targets, then a host sync (``.item()``) to read its result: cheap next to the
-    loss, but it does stop the host from running ahead of the GPU (and it cannot be captured in a CUDA graph).
+    One launch of the targets-counting kernel, then a host sync (``.item()``) to read its count: cheap next to
+    the loss, but it does stop the host from running ahead of the GPU (and it cannot be captured in a CUDA
+    graph). (Five eager comparisons and a reduction did this before: at 8192 x 32000 their host time doubled the
+    loss's time.) Only a failing check builds the message's details.
     """
-    valid = (target == ignore_index) | ((target >= 0) & (target < n_classes))
-    if not bool(valid.all()):
+    plan = core.denominators_plan(info(target), None, n_classes, ignore_index)
+    (denom,) = run_plan(plan, target=target)
+    if denom[2].item() > 0:
+        valid = (target == ignore_index) | ((target >= 0) & (target < n_classes))
         bad = target[~valid]
         raise ValueError(core.invalid_targets_message(n_classes, ignore_index, name, int(bad[0]), bad.numel(),
                                                       target.numel()))
