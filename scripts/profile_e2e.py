@@ -1,5 +1,7 @@
 """Where an end-to-end training step spends its GPU time: torch.profiler over a few steps of the HF Llama model
-of benchmarks/bench_e2e.py, one provider at a time, as a table of the kernels with the most device time.
+of benchmarks/bench_e2e.py, one provider at a time, as a table of the kernels with the most device time, then
+where the GPU sat idle between them (the step's span minus its busy time, largest gaps by the kernels around
+them: host-bound stretches show up as many gaps before the same kernels).
 
     python3 scripts/profile_e2e.py [--model llama-3.2-1b] [--batch 4] [--seq 4096]
                                    [--providers hf+liger_torch hf_eager] [--top 30] [--out FILE]
@@ -8,6 +10,7 @@ of benchmarks/bench_e2e.py, one provider at a time, as a table of the kernels wi
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 
@@ -37,9 +40,43 @@ def profile_provider(model_name: str, provider: str, batch: int, seq: int, steps
     for e in ranked:
         us = e.self_device_time_total / steps
         lines.append(f"{us / 1e3:8.2f} {100 * us / total_us:5.1f}% {e.count // steps:6d}  {e.key[:110]}")
+    device_events = [(ev.name(), ev.start_ns(), ev.end_ns()) for ev in prof.profiler.kineto_results.events()
+                      if ev.device_type() == torch.autograd.DeviceType.CUDA]
+    lines += idle_report(device_events, steps)
     del model, opt
     bench_e2e.free_memory()
     return "\n".join(lines)
+
+
+def idle_report(events, steps: int, top: int = 12, min_gap_ns: int = 2000) -> list[str]:
+    """Lines on the GPU's idle time. ``events``: (name, start_ns, end_ns) of every device activity (kernels,
+    copies, memsets), any order; overlapping activities count as busy. Gaps of at least ``min_gap_ns`` are
+    grouped by (the activity that ended last before the gap, the one after it)."""
+    events = sorted(events, key=lambda e: e[1])
+    if not events:
+        return ["(no device activity recorded)"]
+    busy_until, before = events[0][2], events[0][0]
+    busy = events[0][2] - events[0][1]
+    idle = 0
+    groups = collections.defaultdict(lambda: [0, 0])
+    for name, start, end in events[1:]:
+        if start > busy_until:
+            gap = start - busy_until
+            idle += gap
+            if gap >= min_gap_ns:
+                group = groups[(before[:50], name[:50])]
+                group[0] += gap
+                group[1] += 1
+        busy += max(0, end - max(start, busy_until))
+        if end > busy_until:
+            busy_until, before = end, name
+    span = busy_until - events[0][1]
+    lines = [f"GPU span {span / steps / 1e6:.1f} ms/step: busy {busy / steps / 1e6:.1f}, idle {idle / steps / 1e6:.1f} "
+             f"({100 * idle / max(span, 1):.1f}%); gaps >= {min_gap_ns / 1e3:.0f} us by the activities around them:",
+             f"{'ms/step':>8} {'gaps':>6}  after -> before"]
+    for (after, following), (ns, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{ns / steps / 1e6:8.2f} {count // steps:6d}  {after} -> {following}")
+    return lines
 
 
 def main(argv=None) -> int:

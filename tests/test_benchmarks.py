@@ -365,3 +365,20 @@ def test_jax_loss_runner_returns_the_loss_with_the_gradients():
     np.testing.assert_allclose(np.asarray(grad_a), -np.asarray(t), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad_t), np.asarray(jnp.log(t) - a + 1.0), rtol=1e-5)
     np.testing.assert_allclose(float(jax_loss_runner(kl, (a, t), "fwd")()), float(kl(a, t)), rtol=1e-6)
+
+
+def test_profile_idle_report_counts_gaps_between_device_activities():
+    """scripts/profile_e2e.py's idle accounting: overlapping activities are busy once, gaps are grouped by the
+    activity that ended last before them and the one after."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "profile_e2e.py")
+    spec = importlib.util.spec_from_file_location("profile_e2e", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    events = [("d", 55_000, 70_000), ("a", 0, 10_000), ("b", 10_000, 20_000), ("c", 50_000, 60_000),
+              ("a", 100_000, 110_000), ("e", 111_000, 112_000)]
+    lines = module.idle_report(events, steps=1)
+    assert lines[0].startswith("GPU span 0.1 ms/step: busy 0.1, idle 0.1 (54.5%)"), lines[0]
+    assert lines[2:] == ["    0.03      1  b -> c", "    0.03      1  d -> a"]  # the 1 us gap is below 2 us
