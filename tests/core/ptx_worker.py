@@ -48,6 +48,9 @@ def cases():
                             {"dc": a, "a": a, "b": a}),
         "cross_entropy": (cross_entropy.forward_plan(logits, target, reduction="sum"),
                           {"logits": logits, "target": target}),
+        "cross_entropy persistent": (cross_entropy.forward_plan(logits, target, reduction="sum",
+                                                                persistent_programs=132),
+                                     {"logits": logits, "target": target}),
         "rope": (rope.forward_plan(q, k, cos, cos, head_axis=2), {"q": q, "k": k, "cos": cos, "sin": cos}),
         "kl_div": (kl_div.forward_plan(logits, logits, reduction="sum"), {"input": logits, "target": logits}),
         # compiled to check they build for sm_90 (their vectorisation is not asserted)
