@@ -5,8 +5,9 @@ The frontends orchestrate, with their own matmuls (as for :mod:`liger_core.fused
 loop over chunks of tokens: for each chunk, both heads' logits (in the activations' dtypes), then the JSD
 kernel on those logits: it forms the temperature-scaled log-softmax in fp32 in registers (a logsumexp sweep
 first), sums the chunk's losses and writes d loss / d student logits (``(g - softmax * sum g) / T``) over the
-student logits; then ``grad_xs[chunk] = dz @ Ws`` and ``grad_Ws += dz^T @ xs_chunk``. The mean's divisor (non-ignored labels, or
-all rows) is that of the whole batch, counted first, so every chunk's gradient is already the full loss's.
+student logits; then ``grad_xs[chunk] = dz @ Ws`` and ``grad_Ws += dz^T @ xs_chunk``. The mean's divisor
+(non-ignored labels, or all rows) is that of the whole batch, counted first, so every chunk's gradient is
+already the full loss's.
 The teacher is a constant: neither its hidden states nor its head get a gradient.
 
 The loss is not multiplied by ``T**2`` (the Hinton et al. convention); scale it yourself if you want it.

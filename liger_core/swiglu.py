@@ -7,8 +7,8 @@ a's and b's own memory (the frontend decides when that is allowed).
 Precision follows HF's eager ``act_fn(gate) * up`` in half precision: the activation is computed in fp32 and
 rounded to the input dtype, then multiplied (rounded again); the backward rounds ``dc * b`` before applying
 act' in fp32, as torch's autograd does. Everything is fp32 in registers (the interpreter cannot do bf16
-arithmetic); gelu's tanh is written as a sigmoid of ``exp`` (no libdevice), erf is ``tl.erf`` (``math.erf`` in the interpreter,
-libdevice's erff on the GPU).
+arithmetic); gelu's tanh is written as a sigmoid of ``exp`` (no libdevice), erf is ``tl.erf`` (``math.erf``
+in the interpreter, libdevice's erff on the GPU).
 """
 
 from __future__ import annotations

@@ -133,9 +133,9 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     ``ignore_index`` as in :func:`liger_torch.jsd` (mean over non-ignored rows). The loss is not multiplied by
     ``temperature**2``. Tokens go through in chunks of ``chunk_size`` rows (default: as many as fit the student's
     (rows, V) logits in ``liger_core.fused_linear_jsd.WORKSPACE_BYTES``, the teacher's as many again); the
-    logits are in the inputs' dtypes (as an lm_head's output) and their log-softmax in fp32. ``accum_dtype_fp32``: accumulate the
-    student weight's gradient over chunks in fp32 (default: on for bf16/fp16 weights). Loss in the student's
-    dtype. Differentiable in ``student_input`` and ``student_weight``; the teacher is a constant, and a teacher
+    logits are in the inputs' dtypes (as an lm_head's output) and their log-softmax in fp32.
+    ``accum_dtype_fp32``: accumulate the student weight's gradient over chunks in fp32 (default: on for bf16/fp16
+    weights). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_weight``; the teacher is a constant, and a teacher
     tensor that requires grad raises ValueError (detach it, or freeze the teacher).
     """
     check_tensors(student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
