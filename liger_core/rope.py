@@ -36,6 +36,10 @@ _TILE_ELEMENTS = 2048
 # Most heads in one program's block: the cos/sin tile is read once per block, so more heads read it less
 # often, but fewer heads give more programs (a small T needs them).
 _MAX_BLOCK_H = 2
+# Head blocks one program rotates in turn with the token block's cos/sin tile, read once (1: one head block per
+# program, the neighbouring programs of a token block reading the tile again from L2). scripts/tune_rope.py
+# sweeps it; 1 until a GPU sweep says otherwise.
+_GROUPS_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -88,10 +92,12 @@ def _rope_kernel(
     n_tokens, n_heads_q, n_heads_k, half, n_positions, n_groups_q, n_groups,
     QO, KO,
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_POS: tl.constexpr, ALIGN: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_POS: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """One program: a block of BLOCK_T tokens of one sequence and one group of heads, of q (the first
-    ``n_groups_q`` groups) or of k. The groups of a token block are neighbouring programs, so the cos/sin tile
+    """One program: a block of BLOCK_T tokens of one sequence and GROUPS_PER_PROGRAM consecutive groups of heads
+    (a group: a block of heads of q, the first ``n_groups_q`` groups, or of k), rotated in turn with the token
+    block's cos/sin tile, loaded once. The group blocks of a token block are neighbouring programs, so the tile
     each of them reads is mostly an L2 hit."""
     q_sb = aligned(q_sb, ALIGN)
     q_st = aligned(q_st, ALIGN)
@@ -111,10 +117,10 @@ def _rope_kernel(
     sin_sb = aligned(sin_sb, ALIGN)
     sin_st = aligned(sin_st, ALIGN)
     pid = tl.program_id(0).to(tl.int64)
-    group = pid % n_groups
+    n_group_blocks = tl.cdiv(n_groups, GROUPS_PER_PROGRAM)
     t_blocks = tl.cdiv(n_tokens, BLOCK_T)
-    b = pid // n_groups // t_blocks
-    t = (pid // n_groups % t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    b = pid // n_group_blocks // t_blocks
+    t = (pid // n_group_blocks % t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     t_mask = t < n_tokens
     rows = t
     poison = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -143,13 +149,15 @@ def _rope_kernel(
         s2 = tl.load(sin_rows + (j + half)[None, :] * sin_sd, mask=j_mask, other=0.0).to(tl.float32)
     poison = poison[:, None]
     c1, c2, s1, s2 = c1 + poison, c2 + poison, s1 + poison, s2 + poison
-    if group < n_groups_q:
-        _rotate_tile(Q + b * q_sb, q_sh, q_st, q_sd, QO + b * qo_sb, qo_sh, qo_st, qo_sd, group * BLOCK_HQ,
-                     n_heads_q, t, t_mask, half, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF, INTERLEAVED, BACKWARD)
-    else:
-        _rotate_tile(K + b * k_sb, k_sh, k_st, k_sd, KO + b * ko_sb, ko_sh, ko_st, ko_sd,
-                     (group - n_groups_q) * BLOCK_HK, n_heads_k, t, t_mask, half, c1, c2, s1, s2, BLOCK_HK,
-                     BLOCK_HALF, INTERLEAVED, BACKWARD)
+    for i in range(GROUPS_PER_PROGRAM):
+        group = pid % n_group_blocks * GROUPS_PER_PROGRAM + i
+        if group < n_groups_q:
+            _rotate_tile(Q + b * q_sb, q_sh, q_st, q_sd, QO + b * qo_sb, qo_sh, qo_st, qo_sd, group * BLOCK_HQ,
+                         n_heads_q, t, t_mask, half, c1, c2, s1, s2, BLOCK_HQ, BLOCK_HALF, INTERLEAVED, BACKWARD)
+        elif group < n_groups:
+            _rotate_tile(K + b * k_sb, k_sh, k_st, k_sd, KO + b * ko_sb, ko_sh, ko_st, ko_sd,
+                         (group - n_groups_q) * BLOCK_HK, n_heads_k, t, t_mask, half, c1, c2, s1, s2, BLOCK_HK,
+                         BLOCK_HALF, INTERLEAVED, BACKWARD)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,16 +275,18 @@ def _plan(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_i
     block_half = next_power_of_2(half)
     n_groups_q = cdiv(Hq, block_hq)
     n_groups = n_groups_q + cdiv(Hk, block_hk)
+    groups_per_program = max(1, min(_GROUPS_PER_PROGRAM, n_groups))
     launch = Launch(
         kernel=_rope_kernel,
-        grid=(B * cdiv(T, block_t) * n_groups,),
+        grid=(B * cdiv(T, block_t) * cdiv(n_groups, groups_per_program),),
         args=(Buf("q"), *_bthd(q.strides, head_axis), Buf("k"), *_bthd(k.strides, head_axis),
               Buf("cos"), *_table_strides(cos), Buf("sin"), *_table_strides(sin), *pos_args,
               *_bthd(out_strides[0], head_axis), *_bthd(out_strides[1], head_axis),
               T, Hq, Hk, half, cos.shape[-2], n_groups_q, n_groups),
         outputs=tuple(outputs),
         constexprs={"BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_HALF": block_half,
-                    "INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_POS": has_pos},
+                    "INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_POS": has_pos,
+                    "GROUPS_PER_PROGRAM": groups_per_program},
         num_warps=warps_for(2 * block_half * block_t * max(block_hq, block_hk), max_warps=8),
     )
     inputs = ("q", "k", "cos", "sin") + (("position_ids",) if has_pos else ())
