@@ -52,6 +52,8 @@ def cases():
                                                                 persistent_programs=132),
                                      {"logits": logits, "target": target}),
         "rope": (rope.forward_plan(q, k, cos, cos, head_axis=2), {"q": q, "k": k, "cos": cos, "sin": cos}),
+        "rope, all head groups per program": (_rope_with_groups(64, q, k, cos),
+                                              {"q": q, "k": k, "cos": cos, "sin": cos}),
         "kl_div": (kl_div.forward_plan(logits, logits, reduction="sum"), {"input": logits, "target": logits}),
         # compiled to check they build for sm_90 (their vectorisation is not asserted)
         "layer_norm backward": (layer_norm.backward_plan(x, x, w, w, num_sms=132),
@@ -70,6 +72,18 @@ def cases():
                                          n_total_rows=64, temperature=2.0, compute_grad=True),
                           {"student": logits, "teacher": logits}),
     }
+
+
+def _rope_with_groups(groups, q, k, cos):
+    """RoPE's plan with ``groups`` head groups per program (the tuning knob), the module default restored."""
+    default = rope._GROUPS_PER_PROGRAM
+    rope._GROUPS_PER_PROGRAM = groups
+    rope._plan.cache_clear()
+    try:
+        return rope.forward_plan(q, k, cos, cos, head_axis=2)
+    finally:
+        rope._GROUPS_PER_PROGRAM = default
+        rope._plan.cache_clear()
 
 
 def compile_launch(launch, dtypes, force_align1):
