@@ -312,3 +312,20 @@ def test_persistent_grid_gives_the_same_bits(option, reduction, device, seed):
     assert torch.isfinite(results[0][-1][t != -100]).all()
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_target_check_steps_aside_while_a_cuda_graph_is_captured(monkeypatch, device):
+    """No host sync is allowed during CUDA-graph capture, so the eager target check is skipped then (the GPU
+    test tests/gpu/test_cuda_graphs.py captures for real); an invalid target's row is then NaN, as the kernel
+    marks it, rather than garbage."""
+    import sys
+
+    module = sys.modules["liger_torch.cross_entropy"]
+    x = torch.randn(4, 10, device=device)
+    t = torch.tensor([1, 10, 2, -100], device=device)  # 10 is outside [0, 10)
+    with pytest.raises(ValueError, match="outside"):
+        liger_torch.cross_entropy(x, t)
+    monkeypatch.setattr(module, "capturing_cuda_graph", lambda tensor: True)
+    rows = liger_torch.cross_entropy(x, t, reduction="none")
+    assert torch.isnan(rows[1]) and torch.isfinite(rows[[0, 2, 3]]).all()
+    assert torch.isnan(liger_torch.cross_entropy(x, t))

@@ -92,6 +92,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def capturing_cuda_graph(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``t``'s device: no host sync may happen then, so the eager
+    value checks (targets, positions) step aside and the kernels' own marks (NaN for a bad value) remain."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def num_sms(device: torch.device) -> int:
     if liger_core.INTERPRET or device.type != "cuda":
         return liger_core.INTERPRETER_NUM_SMS

@@ -13,7 +13,7 @@ from torch import nn
 from liger_core import cross_entropy as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, info, optional_info, rowwise, run_plan
+from ._launch import capturing_cuda_graph, check_tensors, info, optional_info, rowwise, run_plan
 
 
 def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target") -> None:
@@ -22,8 +22,11 @@ def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name:
     One launch of the targets-counting kernel, then a host sync (``.item()``) to read its count: cheap next to
     the loss, but it does stop the host from running ahead of the GPU (and it cannot be captured in a CUDA
     graph). (Five eager comparisons and a reduction did this before: at 8192 x 32000 their host time doubled the
-    loss's time.) Only a failing check builds the message's details.
+    loss's time.) Only a failing check builds the message's details. Skipped while a CUDA graph is captured
+    (no sync is possible then): an invalid target's row then has a NaN loss and gradient, as the kernel writes.
     """
+    if capturing_cuda_graph(target):
+        return
     plan = core.denominators_plan(info(target), None, n_classes, ignore_index)
     (denom,) = run_plan(plan, target=target)
     if denom[2].item() > 0:
@@ -161,7 +164,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     The loss has the logits' dtype (all arithmetic is fp32). Unlike torch, ``mean`` over a batch whose targets
     are all ``ignore_index`` gives 0 (and a zero gradient), not NaN. Targets are checked eagerly: a value
     outside ``[0, V)`` other than ``ignore_index`` raises ValueError; that check is one reduction over the
-    targets and a host sync.
+    targets and a host sync (skipped while a CUDA graph is captured: such a target's loss is then NaN).
     """
     check_tensors(logits=logits, target=target, weight=weight)
     core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,

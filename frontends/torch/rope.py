@@ -7,7 +7,7 @@ import torch
 from liger_core import rope as core
 
 from ._custom_ops import compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, optional_info, run_plan
+from ._launch import capturing_cuda_graph, check_tensors, dtype_name, info, optional_info, run_plan
 
 _HEAD_AXES = {1: 1, -3: 1, 2: 2, -2: 2}
 
@@ -15,7 +15,7 @@ _HEAD_AXES = {1: 1, -3: 1, 2: 2, -2: 2}
 def check_positions(position_ids, cos) -> None:
     """ValueError for a position outside cos/sin's rows, which the kernel would read out of bounds. A host sync
     (as the cross-entropy's target check), paid only when position ids are given."""
-    if position_ids is None:
+    if position_ids is None or capturing_cuda_graph(position_ids):  # captured: the kernel's NaN marks a bad one
         return
     n_rows = cos.shape[-2]
     if not bool(((position_ids >= 0) & (position_ids < n_rows)).all()):
