@@ -45,6 +45,10 @@ _MAX_BLOCK_V = 8192
 # Targets one program reads per step when counting the non-ignored rows.
 _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
+# Programs per SM of the persistent grid (programs loop over rows; the gradient sweep runs backwards for L2
+# reuse), given the frontends' SM count; 0: one program per row. scripts/tune_cross_entropy.py sweeps it; 0
+# until a GPU sweep says otherwise.
+_PERSISTENT_PROGRAMS_PER_SM = 0
 
 
 @triton.jit
@@ -381,11 +385,11 @@ def block_v(n_cols: int) -> int:
 def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                 reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                 return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
-                grad_scale: ArrayInfo | None = None, persistent_programs: int = 0) -> Launch:
+                grad_scale: ArrayInfo | None = None, num_sms: int = 0) -> Launch:
     """The per-row kernel: outputs ``loss_rows`` (already divided by the mean's denominators; needs the
     ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``).
-    ``persistent_programs`` > 0: that many programs loop over the rows (scripts/tune_cross_entropy.py; 0, one
-    program per row, stays the default until a GPU sweep says otherwise)."""
+    With ``num_sms`` (the device's), a persistent grid of ``_PERSISTENT_PROGRAMS_PER_SM`` programs per SM
+    when that is fewer programs than rows."""
     n_rows, n_cols, row_stride, col_stride = row_view(logits, "logits")
     has_weight = weight is not None
     mean = reduction == "mean"
@@ -407,9 +411,11 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
             raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
         g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
     bv = block_v(n_cols)
+    programs = _PERSISTENT_PROGRAMS_PER_SM * int(num_sms)
+    persistent = 0 < programs < n_rows
     return Launch(
         kernel=_cross_entropy_kernel,
-        grid=(min(n_rows, persistent_programs) if persistent_programs > 0 else n_rows,),
+        grid=(programs if persistent else n_rows,),
         args=(Buf("logits"), row_stride, col_stride,
               Buf("target"), target_stride(target),
               # unused pointers point at the targets, never at the logits: an array passed twice to a launch
@@ -424,7 +430,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         constexprs={"BLOCK_V": bv, "HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
                     "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
                     "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
-                    "HAS_GRAD_SCALE": grad_scale is not None, "PERSISTENT": persistent_programs > 0},
+                    "HAS_GRAD_SCALE": grad_scale is not None, "PERSISTENT": persistent},
         num_warps=warps_for(bv, max_warps=16),
     )
 
@@ -434,14 +440,14 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                  compute_grad: bool = True, in_place: bool = False, logits_name: str = "logits",
-                 target_name: str = "target", weight_name: str = "weight", persistent_programs: int = 0) -> Plan:
+                 target_name: str = "target", weight_name: str = "weight", num_sms: int = 0) -> Plan:
     """Plan for the loss (and its gradient) of logits ``(..., V)`` against integer ``target`` ``(...)``.
 
     Inputs ``logits``, ``target`` (and ``weight``). Outputs ``loss`` (shape () for mean/sum, target's shape
     for none; logits' dtype), then ``z_loss`` with ``return_z_loss``, then ``grad`` (d loss / d logits, for an
     incoming gradient of 1; logits' dtype) with ``compute_grad``, written over the logits with ``in_place``
     when they are dense. ``*_name`` are the arguments' names in the caller's API, for error messages.
-    ``persistent_programs``: see :func:`rows_launch`.
+    ``num_sms``: the device's SM count, for the launch shape (see :func:`rows_launch`).
     """
     check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                   lse_square_scale=lse_square_scale, softcap=softcap)
@@ -457,7 +463,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
         compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape,
-        persistent_programs=persistent_programs))
+        num_sms=num_sms))
     outputs = ["loss_rows"]
     if return_z_loss:
         outputs.append("z_rows")
@@ -486,7 +492,7 @@ def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: in
 def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None,
-               persistent_programs: int = 0) -> Plan:
+               num_sms: int = 0) -> Plan:
     """One chunk of rows of a larger loss (fused linear cross-entropy): fp32 per-row ``loss_rows`` (and
     ``z_rows``), already divided by the whole batch's denominators (input ``denom`` for ``mean``, from
     :func:`denominators_plan`), and ``grad`` written over the chunk's logits. With ``grad_scale`` (one value per
@@ -495,7 +501,7 @@ def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
         compute_grad=compute_grad, in_place=True, loss_dtype="float32", loss_shape=(target.numel,),
-        grad_scale=grad_scale, persistent_programs=persistent_programs)
+        grad_scale=grad_scale, num_sms=num_sms)
     inputs = ["logits", "target"]
     if weight is not None:
         inputs.append("weight")

@@ -28,10 +28,13 @@ def sweep(n, v, out):
     out(f"{n}x{v}: floor {2 * unit_ms:.3f} ms with the gradient (read + write once), {unit_ms:.3f} loss only")
     out(f"{'pass':<10}{'programs':>9}{'block':>7}{'warps':>6}{'ms':>8}{'of floor':>10}")
     for compute_grad in (True, False):
-        for programs in (0, sms, 2 * sms, 3 * sms):
+        for per_sm in (0, 1, 2, 3):
+            programs = per_sm * sms
+            core._PERSISTENT_PROGRAMS_PER_SM = per_sm
+            core.forward_plan.cache_clear()  # plans are cached by their arguments, not by module settings
             for block, warps in (VARIANTS if compute_grad else VARIANTS[1:2]):
                 plan = core.forward_plan(info(logits), info(target), reduction="mean", compute_grad=compute_grad,
-                                         persistent_programs=programs)
+                                         num_sms=sms)
                 plan = dataclasses.replace(plan, launches=tuple(
                     dataclasses.replace(l, num_warps=warps, constexprs={**l.constexprs, "BLOCK_V": block})
                     if l.kernel is core._cross_entropy_kernel else l for l in plan.launches))

@@ -293,7 +293,7 @@ def test_bad_input_raises_before_launch(make, kwargs, error, match, device):
 
 @pytest.mark.parametrize("option", ["plain", "everything"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_persistent_grid_gives_the_same_bits(option, reduction, device, seed):
+def test_persistent_grid_gives_the_same_bits(option, reduction, monkeypatch, device, seed):
     """A persistent grid (3 programs looping over 7 rows, some ignored; gradient sweep run backwards) computes
     each row exactly as one program per row does: the same loss rows and gradient, bit for bit."""
     from liger_torch._launch import info, run_plan
@@ -302,13 +302,15 @@ def test_persistent_grid_gives_the_same_bits(option, reduction, device, seed):
     opts = dict(OPTIONS[option])
     weight = w if opts.pop("weight", False) else None
     results = []
-    for programs in (0, 3):
+    for per_sm in (0, 1):
+        monkeypatch.setattr(liger_core.cross_entropy, "_PERSISTENT_PROGRAMS_PER_SM", per_sm)
+        liger_core.cross_entropy.forward_plan.cache_clear()  # cached by its arguments, not by module settings
         plan = liger_core.cross_entropy.forward_plan(
-            info(x), info(t), None if weight is None else info(weight), **opts, reduction=reduction,
-            persistent_programs=programs)
-        assert plan.launches[-1 if reduction == "none" else -2].grid == ((3,) if programs else (7,))
+            info(x), info(t), None if weight is None else info(weight), **opts, reduction=reduction, num_sms=3)
+        assert plan.launches[-1 if reduction == "none" else -2].grid == ((3,) if per_sm else (7,))
         inputs = dict(logits=x.clone(), target=t, **({"weight": weight} if weight is not None else {}))
         results.append(run_plan(plan, **inputs))
+    liger_core.cross_entropy.forward_plan.cache_clear()
     assert torch.isfinite(results[0][-1][t != -100]).all()
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -48,11 +48,13 @@ def cases():
                             {"dc": a, "a": a, "b": a}),
         "cross_entropy": (cross_entropy.forward_plan(logits, target, reduction="sum"),
                           {"logits": logits, "target": target}),
-        "cross_entropy persistent": (cross_entropy.forward_plan(logits, target, reduction="sum",
-                                                                persistent_programs=132),
+        "cross_entropy persistent": (_with_setting(cross_entropy, "_PERSISTENT_PROGRAMS_PER_SM", 1,
+                                                   lambda: cross_entropy.forward_plan(logits, target,
+                                                                                      reduction="sum", num_sms=32)),
                                      {"logits": logits, "target": target}),
         "rope": (rope.forward_plan(q, k, cos, cos, head_axis=2), {"q": q, "k": k, "cos": cos, "sin": cos}),
-        "rope, all head groups per program": (_rope_with_groups(64, q, k, cos),
+        "rope, all head groups per program": (_with_setting(rope, "_GROUPS_PER_PROGRAM", 64,
+                                                            lambda: rope.forward_plan(q, k, cos, cos, head_axis=2)),
                                               {"q": q, "k": k, "cos": cos, "sin": cos}),
         "kl_div": (kl_div.forward_plan(logits, logits, reduction="sum"), {"input": logits, "target": logits}),
         # compiled to check they build for sm_90 (their vectorisation is not asserted)
@@ -74,16 +76,22 @@ def cases():
     }
 
 
-def _rope_with_groups(groups, q, k, cos):
-    """RoPE's plan with ``groups`` head groups per program (the tuning knob), the module default restored."""
-    default = rope._GROUPS_PER_PROGRAM
-    rope._GROUPS_PER_PROGRAM = groups
-    rope._plan.cache_clear()
+def _with_setting(module, name, value, build):
+    """``build()`` with a module's tuning knob set to ``value`` (plans built then are not cached: the default
+    comes back with the caches cleared)."""
+    def clear_caches():
+        for plan_builder in ("_plan", "forward_plan"):
+            if hasattr(getattr(module, plan_builder, None), "cache_clear"):
+                getattr(module, plan_builder).cache_clear()
+
+    default = getattr(module, name)
+    setattr(module, name, value)
+    clear_caches()
     try:
-        return rope.forward_plan(q, k, cos, cos, head_axis=2)
+        return build()
     finally:
-        rope._GROUPS_PER_PROGRAM = default
-        rope._plan.cache_clear()
+        setattr(module, name, default)
+        clear_caches()
 
 
 def compile_launch(launch, dtypes, force_align1):
