@@ -16,8 +16,10 @@ from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import capturing_cuda_graph, check_tensors, info, num_sms, optional_info, rowwise, run_plan
 
 
-def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target") -> None:
-    """Raise ValueError if a target is outside [0, n_classes) and not ignore_index.
+def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target",
+                  denom: torch.Tensor | None = None) -> None:
+    """Raise ValueError if a target is outside [0, n_classes) and not ignore_index. ``denom``: the
+    denominators the caller already counted for these targets (their [2] is the count of invalid ones).
 
     One launch of the targets-counting kernel, then a host sync (``.item()``) to read its count: cheap next to
     the loss, but it does stop the host from running ahead of the GPU (and it cannot be captured in a CUDA
@@ -27,8 +29,8 @@ def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int, name:
     """
     if capturing_cuda_graph(target):
         return
-    plan = core.denominators_plan(info(target), None, n_classes, ignore_index)
-    (denom,) = run_plan(plan, target=target)
+    if denom is None:
+        (denom,) = run_plan(core.denominators_plan(info(target), None, n_classes, ignore_index), target=target)
     if denom[2].item() > 0:
         valid = (target == ignore_index) | ((target >= 0) & (target < n_classes))
         bad = target[~valid]

@@ -102,19 +102,25 @@ def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad
             grad_w.addmm_(dlogits.t(), x_chunk)
 
 
-def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need, grad_scale=None):
+def _denominators(target, ce_weight, vocab, opts):
+    """The mean's divisors over all (flattened) targets, and the count of invalid ones, for the check."""
+    plan = core.denominators_plan(target.numel(), dtype_name(target.dtype), optional_info(ce_weight), vocab,
+                                  opts["ignore_index"])
+    return run_plan(plan, target=target, weight=ce_weight)[0]
+
+
+def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, need, grad_scale=None,
+                denom=None):
     """Losses (fp32 per row, and z parts) and, when ``need`` asks, gradients for an incoming gradient of 1
-    (or ``grad_scale`` per row). ``need`` = (x, weight, bias) flags; all False: forward only."""
+    (or ``grad_scale`` per row). ``need`` = (x, weight, bias) flags; all False: forward only. ``denom``: the
+    targets' denominators, if already counted (the mean needs them)."""
     n, hidden = x.shape
     vocab = weight.shape[0]
     dtype = dtype_name(x.dtype)
     compute_grad = any(need)
     rows = core.chunk_rows(n, vocab, dtype, chunk_size)
-    denom = None
-    if opts["reduction"] == "mean":
-        plan = core.denominators_plan(n, dtype_name(target.dtype), optional_info(ce_weight), vocab,
-                                      opts["ignore_index"])
-        (denom,) = run_plan(plan, target=target, weight=ce_weight)
+    if opts["reduction"] == "mean" and denom is None:
+        denom = _denominators(target, ce_weight, vocab, opts)
     grad_x = torch.empty_like(x) if need[0] else None
     grad_w = grad_w_tmp = grad_b = None
     if need[1]:
@@ -160,10 +166,12 @@ def _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, n
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     t = target.reshape(-1).contiguous()
-    check_targets(t, weight.shape[0], opts["ignore_index"], "target")
+    # one count of the targets: the check's, and the mean's divisors
+    denom = _denominators(t, ce_weight, weight.shape[0], opts)
+    check_targets(t, weight.shape[0], opts["ignore_index"], "target", denom=denom)
     precompute = opts["reduction"] != "none"
     rows, z, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32,
-                                                  need if precompute else (False,) * 3)
+                                                  need if precompute else (False,) * 3, denom=denom)
     loss = _reduce(rows, opts["reduction"], torch.float32, shape)
     z_loss = _reduce(z, opts["reduction"], torch.float32, shape) if opts["return_z_loss"] else None
     grad_x = grad_x.view(x.shape) if grad_x is not None else None
