@@ -91,7 +91,7 @@ def _rms_norm_forward_kernel(
 
 @triton.jit
 def load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
-                        first_row, local, row_end, cols, col_mask):
+                       first_row, local, row_end, cols, col_mask):
     rows = first_row + local.to(tl.int64)
     row_mask = local < row_end
     mask = row_mask[:, None] & col_mask[None, :]

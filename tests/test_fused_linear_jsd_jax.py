@@ -63,6 +63,25 @@ def test_forward_and_grads_under_jit(beta, with_labels, temperature, transpose, 
                  scale=widen * N ** 0.5)
 
 
+def test_teacher_in_another_dtype(seed):
+    """A bf16 student against an fp32 teacher: the kernel reads each head's logits in its own dtype."""
+    xs, ks, _, _, labels = draw(seed, jnp.bfloat16)
+    _, _, xt, kt, _ = draw(seed + 1, jnp.float32)
+    loss, (dx, dk) = jax.jit(jax.value_and_grad(
+        lambda a, k: liger_jax.fused_linear_jsd(a, k, xt, kt, labels, temperature=1.5, chunk_size=CHUNK)
+        .astype(jnp.float32), (0, 1)))(xs, ks)
+    want = reference(xs, ks, xt, kt, labels, temperature=1.5)
+    with x64():
+        dx_ref, dk_ref = jax.grad(lambda a, k: reference(a, k, xt, kt, labels, temperature=1.5), (0, 1))(
+            xs.astype(jnp.float64), ks.astype(jnp.float64))
+    assert_close(np.asarray(loss), np.asarray(want), jnp.bfloat16, "loss", scale=4.0)
+    count = int((labels != -100).sum())
+    assert_close(np.asarray(dx.astype(jnp.float32)) * count, np.asarray(dx_ref) * count, jnp.bfloat16,
+                 "dstudent_input", scale=2.0)
+    assert_close(np.asarray(dk.astype(jnp.float32)) * count, np.asarray(dk_ref) * count, jnp.bfloat16,
+                 "dstudent_kernel", scale=2 * N ** 0.5)
+
+
 def test_teacher_gets_zero_gradient_and_all_ignored(seed):
     xs, ks, xt, kt, labels = draw(seed, jnp.float32)
     grads = jax.grad(lambda *a: liger_jax.fused_linear_jsd(*a, labels, chunk_size=CHUNK), (0, 1, 2, 3))(
