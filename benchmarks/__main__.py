@@ -3,6 +3,7 @@
     python -m benchmarks run [--kernels NAME ...] [--quick] [--tag TAG] [--match REGEX] [--time-limit S]
     python -m benchmarks run --smoke [--out-dir DIR]     # tiny shapes on the CPU (interpreter): tests the code
     python -m benchmarks render RESULTS.json             # re-render the .md and plots (also: run --render)
+    python -m benchmarks merge OUT.json IN.json ...      # one report from several runs (later points win)
     python -m benchmarks list
 
 Results go to ``benchmarks/results/<gpu>-<date>[-tag].json`` (merged into the file of the same name when it
@@ -288,6 +289,9 @@ def main(argv=None):
     iso.add_argument("--no-isolate", dest="isolate", action="store_false")
     render = sub.add_parser("render", help="re-render the report and plots of a results file")
     render.add_argument("json")
+    merge = sub.add_parser("merge", help="merge results files (later ones win) into one file, report and plots")
+    merge.add_argument("out", help="the merged results file to write (.json)")
+    merge.add_argument("inputs", nargs="+", help="results files, oldest first")
     sub.add_parser("list", help="list benchmark modules")
     worker = sub.add_parser("_worker", help=argparse.SUPPRESS)
     worker.add_argument("--module")
@@ -307,6 +311,15 @@ def main(argv=None):
         from .report import render_files
 
         print(f"wrote {render_files(args.json)}")
+        return 0
+    if args.command == "merge":
+        if not args.out.endswith(".json"):
+            parser.error(f"merge: the output must be a .json file, got {args.out!r}")
+        from . import harness
+
+        merged = harness.merge_result_files(args.inputs)
+        json_path, md_path = harness.write_results(merged, args.out[:-5])
+        print(f"wrote {json_path} and {md_path} ({len(merged['points'])} points from {len(args.inputs)} files)")
         return 0
     if args.command == "_worker":
         return _worker(args)

@@ -504,6 +504,33 @@ def merge_points(results: dict, points: list[dict]) -> None:
             results["points"].append(p)
 
 
+def merge_result_files(paths: list[str]) -> dict:
+    """One results dict from several files, in order: a later file's point replaces an earlier one with the same
+    key, except a point the later run only skipped (its time limit) or did not run. Each point keeps the name of
+    the file it came from (``source``); the runs are listed together; the environment and ceilings are the last
+    file's (each point carries the floor its own run measured)."""
+    if not paths:
+        raise ValueError("merge needs at least one results file")
+    merged = None
+    for path in paths:
+        results = load_results(path)
+        if merged is None:
+            merged = new_results(results.get("environment") or {})
+        for key in ("schema", "environment", "ceilings", "machine"):
+            if results.get(key):
+                merged[key] = results[key]
+        merged["runs"] += results.get("runs") or []
+        existing = {point_key(p): p for p in merged["points"]}
+        fresh = []
+        for p in results.get("points") or []:
+            old = existing.get(point_key(p))
+            if old is not None and old.get("status") == "ok" and p.get("status") == "skipped":
+                continue
+            fresh.append({**p, "source": p.get("source") or os.path.basename(path)})
+        merge_points(merged, fresh)
+    return merged
+
+
 def write_results(results: dict, stem: str, mirror: str | None = None, changed=None) -> tuple[str, str]:
     """Write ``<stem>.json``, then render ``<stem>.md`` and ``<stem>-plots/*.png`` from it (also copied to
     ``mirror`` when given: the device tool's $OUT). ``changed``: the report sections whose plots need drawing

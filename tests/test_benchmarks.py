@@ -205,6 +205,38 @@ def test_time_limit_skips_and_a_second_run_merges(tmp_path):
     assert "kl_div" in open(path[:-5] + ".md").read()
 
 
+def test_merge_keeps_the_latest_measured_point_of_each_key(tmp_path):
+    """``merge``: a later file's point replaces an earlier one, unless the later run only skipped it; points
+    only in one file are kept; each names its file; the runs are listed together."""
+    base = _synthetic_results()
+    first, second = json.loads(json.dumps(base)), json.loads(json.dumps(base))
+    first["runs"], second["runs"] = [{"started": "a", "argv": ["run"]}], [{"started": "b", "argv": ["run"]}]
+    ok = [i for i, p in enumerate(base["points"]) if p["status"] == "ok"]
+    second["points"][ok[0]]["median_ms"] = 123.0               # measured again: replaces
+    second["points"][ok[1]] = {**second["points"][ok[1]], "status": "skipped", "median_ms": None}  # kept old
+    del second["points"][ok[2]]                                  # absent from the later run: kept
+    second["points"].append({**base["points"][ok[0]], "shape": "1x1", "median_ms": 7.0})  # new
+    paths = []
+    for name, results in (("first", first), ("second", second)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(results, f)
+    out = str(tmp_path / "merged.json")
+    assert main(["merge", out, *paths]) == 0
+    merged = json.load(open(out))
+    by_key = {harness.point_key(p): p for p in merged["points"]}
+    assert len(merged["points"]) == len(base["points"]) + 1 and [r["started"] for r in merged["runs"]] == ["a", "b"]
+    expected = ((123.0, "second.json"), (base["points"][ok[1]]["median_ms"], "first.json"),
+                (base["points"][ok[2]]["median_ms"], "first.json"))
+    for i, (median, source) in zip(ok[:3], expected):
+        point = by_key[harness.point_key(base["points"][i])]
+        assert (point["median_ms"], point["source"], point["status"]) == (median, source, "ok")
+    assert by_key[harness.point_key({**base["points"][ok[0]], "shape": "1x1"})]["median_ms"] == 7.0
+    assert os.path.exists(out[:-5] + ".md")
+    with pytest.raises(SystemExit):
+        main(["merge", str(tmp_path / "merged.md"), *paths])
+
+
 def test_isolated_worker_process(tmp_path):
     args = ["run", "--smoke", "--isolate", "--fresh", "--out-dir", str(tmp_path), "--kernels", "jsd", "--match",
             "torch_eager"]
