@@ -18,7 +18,7 @@ from liger_core import fused_linear_cross_entropy as core
 
 from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import autocast_dtype, check_tensors, dtype_name, info, num_sms, optional_info, run_plan
-from .cross_entropy import check_targets
+from .cross_entropy import start_target_check
 
 # x is typically a model's last hidden states and weight its lm_head's: a model cast in part (or on one rank
 # only) is the usual cause
@@ -168,10 +168,12 @@ def _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, n
     t = target.reshape(-1).contiguous()
     # one count of the targets: the check's, and the mean's divisors
     denom = _denominators(t, ce_weight, weight.shape[0], opts)
-    check_targets(t, weight.shape[0], opts["ignore_index"], "target", denom=denom)
+    # finished after the chunk loop: the GPU runs the loop while the host waits for the count
+    finish_check = start_target_check(t, weight.shape[0], opts["ignore_index"], "target", denom=denom)
     precompute = opts["reduction"] != "none"
     rows, z, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32,
                                                   need if precompute else (False,) * 3, denom=denom)
+    finish_check()
     loss = _reduce(rows, opts["reduction"], torch.float32, shape)
     z_loss = _reduce(z, opts["reduction"], torch.float32, shape) if opts["return_z_loss"] else None
     grad_x = grad_x.view(x.shape) if grad_x is not None else None
