@@ -49,10 +49,6 @@ _MAX_BLOCK_V_GRAD = 4096
 # Targets one program reads per step when counting the non-ignored rows.
 _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
-# Programs per SM of the persistent grid (programs loop over rows; the gradient sweep runs backwards for L2
-# reuse), given the frontends' SM count; 0: one program per row. scripts/tune_cross_entropy.py sweeps it; 0
-# until a GPU sweep says otherwise.
-_PERSISTENT_PROGRAMS_PER_SM = 0
 
 
 @triton.jit
@@ -136,31 +132,22 @@ def _cross_entropy_kernel(
     DENOM,
     G, g_stride,
     grad_row_stride, grad_col_stride,
-    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap, n_rows,
+    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
     LOSS, Z_LOSS, GRAD,
     BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr, PERSISTENT: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """One row per program, or (PERSISTENT) a grid of a few programs per SM, each looping over rows: fewer rows
-    in flight, so the gradient sweep, run backwards, can find its row's blocks still in L2 (a 128k-vocabulary
-    bf16 row is 250 KB, L2 50-60 MB)."""
+    """One row per program (a persistent grid looping over rows, its gradient sweep run backwards for L2 reuse,
+    measured slower at every block size and 1-3 programs per SM: scripts/tune_cross_entropy.py, perf-notes)."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     grad_row_stride = aligned(grad_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    if PERSISTENT:
-        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # an int64 row index
-            _cross_entropy_row(
-                row, X, x_row_stride, x_col_stride, T, t_stride, W, w_stride, DENOM, G, g_stride,
-                grad_row_stride, grad_col_stride, n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
-                LOSS, Z_LOSS, GRAD, BLOCK_V, HAS_WEIGHT, MEAN, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z, RETURN_Z,
-                HAS_GRAD, HAS_GRAD_SCALE, True)
-    else:
-        _cross_entropy_row(
-            tl.program_id(0).to(tl.int64), X, x_row_stride, x_col_stride, T, t_stride, W, w_stride, DENOM, G,
-            g_stride, grad_row_stride, grad_col_stride, n_cols, ignore_index, label_smoothing, lse_square_scale,
-            softcap, LOSS, Z_LOSS, GRAD, BLOCK_V, HAS_WEIGHT, MEAN, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z, RETURN_Z,
-            HAS_GRAD, HAS_GRAD_SCALE, False)
+    _cross_entropy_row(
+        tl.program_id(0).to(tl.int64), X, x_row_stride, x_col_stride, T, t_stride, W, w_stride, DENOM, G,
+        g_stride, grad_row_stride, grad_col_stride, n_cols, ignore_index, label_smoothing, lse_square_scale,
+        softcap, LOSS, Z_LOSS, GRAD, BLOCK_V, HAS_WEIGHT, MEAN, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z, RETURN_Z,
+        HAS_GRAD, HAS_GRAD_SCALE)
 
 
 @triton.jit
@@ -175,7 +162,7 @@ def _cross_entropy_row(
     LOSS, Z_LOSS, GRAD,
     BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr, REVERSED: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
 ):
     """The loss (and gradient) of one row; an ignored row gets a zero loss and a zero gradient."""
     t = tl.load(T + row * t_stride).to(tl.int64)
@@ -250,10 +237,8 @@ def _cross_entropy_row(
                 a = a * g
                 b = b * g
                 c = c * g
-            n_blocks = tl.cdiv(n_cols, BLOCK_V)
-            for i in range(0, n_blocks):
-                # REVERSED (persistent grid): start with the blocks sweep 1 read last, the likeliest still in L2
-                cols = (n_blocks - 1 - i if REVERSED else i) * BLOCK_V + offsets
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offsets
                 mask = cols < n_cols
                 x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
@@ -389,11 +374,9 @@ def block_v(n_cols: int, compute_grad: bool = True) -> int:
 def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                 reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                 return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
-                grad_scale: ArrayInfo | None = None, num_sms: int = 0) -> Launch:
+                grad_scale: ArrayInfo | None = None) -> Launch:
     """The per-row kernel: outputs ``loss_rows`` (already divided by the mean's denominators; needs the
-    ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``).
-    With ``num_sms`` (the device's), a persistent grid of ``_PERSISTENT_PROGRAMS_PER_SM`` programs per SM
-    when that is fewer programs than rows."""
+    ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``)."""
     n_rows, n_cols, row_stride, col_stride = row_view(logits, "logits")
     has_weight = weight is not None
     mean = reduction == "mean"
@@ -415,11 +398,9 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
             raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
         g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
     bv = block_v(n_cols, compute_grad)
-    programs = _PERSISTENT_PROGRAMS_PER_SM * int(num_sms)
-    persistent = 0 < programs < n_rows
     return Launch(
         kernel=_cross_entropy_kernel,
-        grid=(programs if persistent else n_rows,),
+        grid=(n_rows,),
         args=(Buf("logits"), row_stride, col_stride,
               Buf("target"), target_stride(target),
               # unused pointers point at the targets, never at the logits: an array passed twice to a launch
@@ -429,12 +410,12 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
               Buf("grad_scale" if grad_scale is not None else "target"), g_stride if grad_scale is not None else 0,
               grad_row_stride, grad_col_stride,
               n_cols, int(ignore_index), float(label_smoothing), float(lse_square_scale),
-              float(softcap) if softcap is not None else 1.0, n_rows),
+              float(softcap) if softcap is not None else 1.0),
         outputs=(NewBuffer("loss_rows", tuple(loss_shape), loss_dtype), z_out, grad),
         constexprs={"BLOCK_V": bv, "HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
                     "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
                     "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
-                    "HAS_GRAD_SCALE": grad_scale is not None, "PERSISTENT": persistent},
+                    "HAS_GRAD_SCALE": grad_scale is not None},
         num_warps=warps_for(bv, max_warps=16),
     )
 
@@ -444,14 +425,13 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                  compute_grad: bool = True, in_place: bool = False, logits_name: str = "logits",
-                 target_name: str = "target", weight_name: str = "weight", num_sms: int = 0) -> Plan:
+                 target_name: str = "target", weight_name: str = "weight") -> Plan:
     """Plan for the loss (and its gradient) of logits ``(..., V)`` against integer ``target`` ``(...)``.
 
     Inputs ``logits``, ``target`` (and ``weight``). Outputs ``loss`` (shape () for mean/sum, target's shape
     for none; logits' dtype), then ``z_loss`` with ``return_z_loss``, then ``grad`` (d loss / d logits, for an
     incoming gradient of 1; logits' dtype) with ``compute_grad``, written over the logits with ``in_place``
     when they are dense. ``*_name`` are the arguments' names in the caller's API, for error messages.
-    ``num_sms``: the device's SM count, for the launch shape (see :func:`rows_launch`).
     """
     check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                   lse_square_scale=lse_square_scale, softcap=softcap)
@@ -466,8 +446,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     launches.append(rows_launch(
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape,
-        num_sms=num_sms))
+        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape))
     outputs = ["loss_rows"]
     if return_z_loss:
         outputs.append("z_rows")
@@ -495,8 +474,7 @@ def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: in
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
-               return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None,
-               num_sms: int = 0) -> Plan:
+               return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None) -> Plan:
     """One chunk of rows of a larger loss (fused linear cross-entropy): fp32 per-row ``loss_rows`` (and
     ``z_rows``), already divided by the whole batch's denominators (input ``denom`` for ``mean``, from
     :func:`denominators_plan`), and ``grad`` written over the chunk's logits. With ``grad_scale`` (one value per
@@ -505,7 +483,7 @@ def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
         compute_grad=compute_grad, in_place=True, loss_dtype="float32", loss_shape=(target.numel,),
-        grad_scale=grad_scale, num_sms=num_sms)
+        grad_scale=grad_scale)
     inputs = ["logits", "target"]
     if weight is not None:
         inputs.append("weight")

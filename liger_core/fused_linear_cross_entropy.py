@@ -100,7 +100,7 @@ def denominators_plan(n_rows: int, target_dtype: str, ce_weight: ArrayInfo | Non
 def chunk_plan(rows: int, vocab: int, logits_dtype: str, target_dtype: str, ce_weight: ArrayInfo | None, *,
                ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float,
                softcap: float | None, return_z_loss: bool, compute_grad: bool,
-               grad_scale_dtype: str | None = None, num_sms: int = 0) -> Plan:
+               grad_scale_dtype: str | None = None) -> Plan:
     """The cross-entropy step of one chunk of contiguous (rows, V) logits; see
     :func:`liger_core.cross_entropy.chunk_plan` (inputs ``logits``, ``target``, [``weight``], [``denom``],
     [``grad_scale``]; outputs fp32 ``loss_rows``, [``z_rows``], [``grad`` over the logits])."""
@@ -109,7 +109,7 @@ def chunk_plan(rows: int, vocab: int, logits_dtype: str, target_dtype: str, ce_w
         ArrayInfo.contiguous((rows, vocab), logits_dtype), ArrayInfo.contiguous((rows,), target_dtype), ce_weight,
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-        compute_grad=compute_grad, grad_scale=grad_scale, num_sms=num_sms)
+        compute_grad=compute_grad, grad_scale=grad_scale)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments

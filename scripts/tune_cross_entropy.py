@@ -1,7 +1,8 @@
-"""GPU sweep of the cross-entropy kernel's launch: one program per row (the default) against a persistent grid of
-1-3 programs per SM (the gradient sweep then runs backwards over a row that is likelier still in L2), by block
-size and warps, at bf16 (tokens, vocab) shapes, loss and gradient in one pass (as training runs it), through
+"""GPU sweep of the cross-entropy kernel's launch (one program per row) by block size and warps, at bf16
+(tokens, vocab) shapes, loss and gradient in one pass (as training runs it) and the loss alone, through
 liger_torch's executor; CUDA-event median with L2 flushed (triton.testing.do_bench). Prints one table per shape.
+(A persistent grid of 1-3 programs per SM with the gradient sweep run backwards was swept here and lost at every
+point: benchmarks/results/h200-2026-12-03-tune_ce-persistent.txt.)
 
     python3 scripts/tune_cross_entropy.py [--shapes 8192x128256 2048x128256 8192x32000] [--out FILE]
 """
@@ -17,32 +18,25 @@ from liger_core import cross_entropy as core
 from liger_torch._launch import info, run_plan
 
 COPY_GBPS = 4277.0  # the H200's measured copy bandwidth (benchmarks/results), for the floor column
-VARIANTS = [(block, warps) for block, warps in ((4096, 8), (8192, 16), (8192, 32), (16384, 16))]
+VARIANTS = [(2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
 
 
 def sweep(n, v, out):
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 4
     target = torch.randint(0, v, (n,), device="cuda")
     unit_ms = n * v * 2 / (COPY_GBPS * 1e9) * 1e3
     out(f"{n}x{v}: floor {2 * unit_ms:.3f} ms with the gradient (read + write once), {unit_ms:.3f} loss only")
-    out(f"{'pass':<10}{'programs':>9}{'block':>7}{'warps':>6}{'ms':>8}{'of floor':>10}")
+    out(f"{'pass':<10}{'block':>7}{'warps':>6}{'ms':>8}{'of floor':>10}")
     for compute_grad in (True, False):
-        for per_sm in (0, 1, 2, 3):
-            programs = per_sm * sms
-            core._PERSISTENT_PROGRAMS_PER_SM = per_sm
-            core.forward_plan.cache_clear()  # plans are cached by their arguments, not by module settings
-            for block, warps in (VARIANTS if compute_grad else VARIANTS[:2]):
-                plan = core.forward_plan(info(logits), info(target), reduction="mean", compute_grad=compute_grad,
-                                         num_sms=sms)
-                plan = dataclasses.replace(plan, launches=tuple(
-                    dataclasses.replace(l, num_warps=warps, constexprs={**l.constexprs, "BLOCK_V": block})
-                    if l.kernel is core._cross_entropy_kernel else l for l in plan.launches))
-                ms = triton.testing.do_bench(lambda: run_plan(plan, logits=logits, target=target),
-                                             return_mode="median")
-                floor = (2 if compute_grad else 1) * unit_ms
-                name = "loss+grad" if compute_grad else "loss"
-                out(f"{name:<10}{programs or 'per row':>9}{block:>7}{warps:>6}{ms:>8.3f}{floor / ms:>10.2f}")
+        for block, warps in VARIANTS:
+            plan = core.forward_plan(info(logits), info(target), reduction="mean", compute_grad=compute_grad)
+            plan = dataclasses.replace(plan, launches=tuple(
+                dataclasses.replace(l, num_warps=warps, constexprs={**l.constexprs, "BLOCK_V": block})
+                if l.kernel is core._cross_entropy_kernel else l for l in plan.launches))
+            ms = triton.testing.do_bench(lambda: run_plan(plan, logits=logits, target=target), return_mode="median")
+            floor = (2 if compute_grad else 1) * unit_ms
+            name = "loss+grad" if compute_grad else "loss"
+            out(f"{name:<10}{block:>7}{warps:>6}{ms:>8.3f}{floor / ms:>10.2f}")
 
 
 def main(argv=None) -> int:

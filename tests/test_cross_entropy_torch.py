@@ -291,31 +291,6 @@ def test_bad_input_raises_before_launch(make, kwargs, error, match, device):
         liger_torch.cross_entropy(x, t, **kwargs(device))
 
 
-@pytest.mark.parametrize("option", ["plain", "everything"])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_persistent_grid_gives_the_same_bits(option, reduction, monkeypatch, device, seed):
-    """A persistent grid (3 programs looping over 7 rows, some ignored; gradient sweep run backwards) computes
-    each row exactly as one program per row does: the same loss rows and gradient, bit for bit."""
-    from liger_torch._launch import info, run_plan
-
-    x, t, w, _ = draw(seed, 7, 10000, torch.float32, device=device)
-    opts = dict(OPTIONS[option])
-    weight = w if opts.pop("weight", False) else None
-    results = []
-    for per_sm in (0, 1):
-        monkeypatch.setattr(liger_core.cross_entropy, "_PERSISTENT_PROGRAMS_PER_SM", per_sm)
-        liger_core.cross_entropy.forward_plan.cache_clear()  # cached by its arguments, not by module settings
-        plan = liger_core.cross_entropy.forward_plan(
-            info(x), info(t), None if weight is None else info(weight), **opts, reduction=reduction, num_sms=3)
-        assert plan.launches[-1 if reduction == "none" else -2].grid == ((3,) if per_sm else (7,))
-        inputs = dict(logits=x.clone(), target=t, **({"weight": weight} if weight is not None else {}))
-        results.append(run_plan(plan, **inputs))
-    liger_core.cross_entropy.forward_plan.cache_clear()
-    assert torch.isfinite(results[0][-1][t != -100]).all()
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-
-
 def test_target_check_steps_aside_while_a_cuda_graph_is_captured(monkeypatch, device):
     """No host sync is allowed during CUDA-graph capture, so the eager target check is skipped then (the GPU
     test tests/gpu/test_cuda_graphs.py captures for real); an invalid target's row is then NaN, as the kernel

@@ -17,7 +17,7 @@ import numpy as np
 
 from liger_core import cross_entropy as core
 
-from ._launch import as_array, info, map_over_batch, num_sms, run_plan
+from ._launch import as_array, info, map_over_batch, run_plan
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
 
 
@@ -42,7 +42,7 @@ def _forward_op(options: tuple, has_weight: bool, compute_grad: bool):
     ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss = options
     kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
               lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-              compute_grad=compute_grad, num_sms=num_sms())
+              compute_grad=compute_grad)
 
     def forward(logits, labels, *weight, shards=None):
         w, w_info = (weight[0], info(weight[0])) if has_weight else (None, None)

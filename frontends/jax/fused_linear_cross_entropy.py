@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
 
-from ._launch import as_array, dtype_name, info, num_sms, optional_info, run_plan
+from ._launch import as_array, dtype_name, info, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch, check_labels, sum_over_shards
 
@@ -69,8 +69,7 @@ def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_s
     gs = None if grad_scale is None else jnp.pad(grad_scale, (0, pad)).reshape(n_chunks, rows)
     plan = core.chunk_plan(rows, vocab, dtype, dtype_name(labels.dtype), optional_info(ce_weight),
                            compute_grad=compute_grad,
-                           grad_scale_dtype=None if grad_scale is None else dtype_name(grad_scale.dtype),
-                           num_sms=num_sms(), **opts)
+                           grad_scale_dtype=None if grad_scale is None else dtype_name(grad_scale.dtype), **opts)
     acc_dtype = jnp.float32 if accum_fp32 else kernel.dtype
 
     def body(carry, chunk):

@@ -15,7 +15,7 @@ from torch import nn
 from liger_core import cross_entropy as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import capturing_cuda_graph, check_tensors, info, num_sms, optional_info, rowwise, run_plan
+from ._launch import capturing_cuda_graph, check_tensors, info, optional_info, rowwise, run_plan
 
 
 def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target",
@@ -72,7 +72,7 @@ def _forward(logits, target, weight, ignore_index, reduction, label_smoothing, l
     plan = core.forward_plan(
         info(logits), info(target), optional_info(weight), ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
-        return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=in_place, num_sms=num_sms(logits.device))
+        return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=in_place)
     finish_check = start_target_check(target, logits.shape[-1], ignore_index)
     outs = run_plan(plan, logits=logits, target=target, weight=weight)
     finish_check()

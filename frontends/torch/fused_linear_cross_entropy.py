@@ -17,7 +17,7 @@ from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import autocast_dtype, check_tensors, dtype_name, info, num_sms, optional_info, run_plan
+from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
 from .cross_entropy import start_target_check
 
 # x is typically a model's last hidden states and weight its lm_head's: a model cast in part (or on one rank
@@ -135,7 +135,7 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
         plan = core.chunk_plan(  # cached: built once per chunk length
             stop - start, vocab, dtype, dtype_name(target.dtype), optional_info(ce_weight),
             compute_grad=compute_grad, grad_scale_dtype=None if grad_scale is None else dtype_name(grad_scale.dtype),
-            num_sms=num_sms(x.device), **opts)
+            **opts)
         outs = run_plan(plan, logits=logits, target=target[start:stop], weight=ce_weight,
                         denom=denom, grad_scale=None if grad_scale is None else grad_scale[start:stop])
         losses.append(outs[0])
