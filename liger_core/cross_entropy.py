@@ -41,8 +41,8 @@ from .reduce import sum_partials_launch
 REDUCTIONS = ("mean", "sum", "none")
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # Vocabulary elements one program holds per block of its sweep over a row (num_warps follows: 16 and 8). With
-# the gradient, scripts/tune_cross_entropy.py on the H200 (bf16, 8192x128256 / 2048x128256 / 8192x32000):
-# 4096 at 8 warps 1.660 / 0.441 / 0.450 ms against 8192 at 16 warps 1.757 / 0.462 / 0.462 (more programs per
+# the gradient, a GPU sweep on the H200 (bf16, 8192x128256 / 2048x128256 / 8192x32000; now
+# scripts/tune_row_kernels.py): 4096 at 8 warps 1.660 / 0.441 / 0.450 ms against 8192 at 16 warps 1.757 / 0.462 / 0.462 (more programs per
 # SM, each with its next block in flight). The loss alone was swept at 8192 only.
 _MAX_BLOCK_V = 8192
 _MAX_BLOCK_V_GRAD = 4096
@@ -139,7 +139,7 @@ def _cross_entropy_kernel(
     HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """One row per program (a persistent grid looping over rows, its gradient sweep run backwards for L2 reuse,
-    measured slower at every block size and 1-3 programs per SM: scripts/tune_cross_entropy.py, perf-notes)."""
+    was slower at every block size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt)."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     grad_row_stride = aligned(grad_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)

@@ -39,10 +39,12 @@ _MAX_BLOCK_H = 2
 # Head blocks one program rotates in turn with the token block's cos/sin tile, read once (1: one head block per
 # program, the neighbouring programs of a token block reading the tile again from L2). scripts/tune_rope.py
 # on the H200 (B1, 32/8 heads, D128, bf16): all 20 head blocks per program 0.349 ms at T=65536 against 0.411
-# with one (0.100 against 0.108 at T=16384), so a program takes every head block of its tokens...
+# with one; at T=16384 4 per program 0.096-0.099, all 20 0.100-0.101, one 0.104-0.108. So a program takes
+# every head block of its tokens...
 _GROUPS_PER_PROGRAM = 64
-# ...as long as the grid keeps this many programs (a short sequence splits its heads again).
-_MIN_PROGRAMS = 1024
+# ...as long as the grid keeps this many programs (8192 token blocks at T=65536; a shorter sequence splits its
+# heads again: 5 head blocks per program at T=16384).
+_MIN_PROGRAMS = 8192
 
 
 @triton.jit
