@@ -42,8 +42,9 @@ REDUCTIONS = ("mean", "sum", "none")
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # Vocabulary elements one program holds per block of its sweep over a row (num_warps follows: 16 and 8). With
 # the gradient, a GPU sweep on the H200 (bf16, 8192x128256 / 2048x128256 / 8192x32000; now
-# scripts/tune_row_kernels.py): 4096 at 8 warps 1.660 / 0.441 / 0.450 ms against 8192 at 16 warps 1.757 / 0.462 / 0.462 (more programs per
-# SM, each with its next block in flight). The loss alone was swept at 8192 only.
+# scripts/tune_row_kernels.py): 4096 at 8 warps 1.660 / 0.441 / 0.450 ms against 8192 at 16 warps
+# 1.757 / 0.462 / 0.462 (more programs per SM, each with its next block in flight). The loss alone was swept
+# at 8192 only.
 _MAX_BLOCK_V = 8192
 _MAX_BLOCK_V_GRAD = 4096
 # Targets one program reads per step when counting the non-ignored rows.
