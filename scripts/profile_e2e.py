@@ -17,8 +17,11 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's benchmarks package
+_SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_SCRIPTS), _SCRIPTS]  # the repo's benchmarks package; _gpu_tables (when imported)
 from benchmarks import bench_e2e  # noqa: E402
+
+import _gpu_tables as gpu_tables  # noqa: E402
 
 
 def profile_provider(model_name: str, provider: str, batch: int, seq: int, steps: int, top: int) -> str:
@@ -89,25 +92,20 @@ def main(argv=None) -> int:
     p.add_argument("--providers", nargs="+", default=["hf+liger_torch", "hf_eager"])
     p.add_argument("--out", help="also write the tables to this file")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_e2e needs a CUDA GPU", file=sys.stderr)
-        return 1
-    tables = []
-    for provider in args.providers:
-        tables.append(profile_provider(args.model, provider, args.batch, args.seq, args.steps, args.top))
-        print(tables[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            import datetime
 
-            import transformers
-            import triton
+    def tables(out):
+        import datetime
 
-            f.write(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-                    f"transformers {transformers.__version__}, {datetime.date.today()}\n"
-                    f"command: python3 scripts/profile_e2e.py {' '.join(sys.argv[1:])}\n\n"
-                    + "\n\n".join(tables) + "\n")
-    return 0
+        import transformers
+        import triton
+
+        out(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"transformers {transformers.__version__}, {datetime.date.today()}")
+        out(f"command: python3 scripts/profile_e2e.py {' '.join(sys.argv[1:])}")
+        for provider in args.providers:
+            out("\n" + profile_provider(args.model, provider, args.batch, args.seq, args.steps, args.top))
+
+    return gpu_tables.run("profile_e2e", args.out, tables)
 
 
 if __name__ == "__main__":

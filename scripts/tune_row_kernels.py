@@ -23,6 +23,8 @@ import triton.testing
 from liger_core import cross_entropy, jsd, kl_div
 from liger_torch._launch import info, run_plan
 
+import _gpu_tables as gpu_tables  # scripts/, the directory Python puts first on the path
+
 COPY_GBPS = 4277.0  # the H200's measured copy bandwidth (benchmarks/results), for the floor column
 VARIANTS = [(2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
 
@@ -80,25 +82,16 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["8192x128256", "8192x32000"])
     parser.add_argument("--out", help="also write the tables to this file")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_row_kernels needs a CUDA GPU", file=sys.stderr)
-        return 1
-    lines = []
 
-    def out(line):
-        print(line, flush=True)
-        lines.append(line)
+    def tables(out):
+        out(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+        for name in args.kernels:
+            for shape in args.shapes:
+                n, v = (int(x) for x in shape.split("x"))
+                sweep(name, n, v, out)
+                torch.cuda.empty_cache()
 
-    out(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for name in args.kernels:
-        for shape in args.shapes:
-            n, v = (int(x) for x in shape.split("x"))
-            sweep(name, n, v, out)
-            torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0
+    return gpu_tables.run("tune_row_kernels", args.out, tables)
 
 
 if __name__ == "__main__":
