@@ -306,3 +306,41 @@ def test_target_check_steps_aside_while_a_cuda_graph_is_captured(monkeypatch, de
     rows = liger_torch.cross_entropy(x, t, reduction="none")
     assert torch.isnan(rows[1]) and torch.isfinite(rows[[0, 2, 3]]).all()
     assert torch.isnan(liger_torch.cross_entropy(x, t))
+
+
+@pytest.mark.parametrize("fn", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_target_check_reads_its_count_after_the_loss_kernels_are_queued(fn, monkeypatch, device):
+    """The check's host read of the invalid-target count comes after the loss's kernels are launched (reading it
+    first left the GPU idle through the host's launch path), and a bad target still raises."""
+    import liger_core.cross_entropy
+    import liger_torch._launch
+
+    events = []
+    launch_for_real = liger_torch._launch._launch
+    item_for_real = torch.Tensor.item
+
+    def recording_launch(launch, *args, **kwargs):
+        events.append(launch.kernel.__name__ if hasattr(launch.kernel, "__name__") else launch.kernel.fn.__name__)
+        return launch_for_real(launch, *args, **kwargs)
+
+    def recording_item(self):
+        events.append("item")
+        return item_for_real(self)
+
+    monkeypatch.setattr(liger_torch._launch, "_launch", recording_launch)
+    monkeypatch.setattr(torch.Tensor, "item", recording_item)
+    gen = torch.Generator().manual_seed(3)
+    t = torch.tensor([1, 4, -100, 9], device=device)
+    if fn == "cross_entropy":
+        call = lambda target: liger_torch.cross_entropy(  # noqa: E731
+            torch.randn(4, 10, generator=gen).to(device), target)
+    else:
+        call = lambda target: liger_torch.fused_linear_cross_entropy(  # noqa: E731
+            torch.randn(4, 8, generator=gen).to(device), torch.randn(10, 8, generator=gen).to(device), target)
+    call(t)
+    kernel = liger_core.cross_entropy._cross_entropy_kernel.fn.__name__
+    assert kernel in events and "item" in events and events.index(kernel) < events.index("item"), events
+    events.clear()
+    with pytest.raises(ValueError, match="outside"):
+        call(torch.tensor([1, 10, -100, 9], device=device))
+    assert events.index(kernel) < events.index("item"), events
