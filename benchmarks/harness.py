@@ -526,7 +526,8 @@ def merge_result_files(paths: list[str]) -> dict:
             old = existing.get(point_key(p))
             if old is not None and old.get("status") == "ok" and p.get("status") == "skipped":
                 continue
-            fresh.append({**p, "source": p.get("source") or os.path.basename(path)})
+            fresh.append({**p, "source": p.get("source") or os.path.basename(path),
+                          "ceilings": p.get("ceilings") or results.get("ceilings") or {}})
         merge_points(merged, fresh)
     return merged
 

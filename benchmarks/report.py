@@ -412,6 +412,38 @@ def _header(results: dict) -> list[str]:
     return lines
 
 
+def frontend_section(points: list[dict], ceilings: dict) -> list[str]:
+    """The jax frontend against the torch frontend, same kernel, pass and shape. The two are timed differently
+    (CUDA events; a host clock around queued calls), so a second ratio divides out what each timer gives for a
+    plain copy in the same run (each point's run's ceilings where the file merges several runs)."""
+    rows = []
+    for (pass_, shape, kernel), pair in _frontend_pairs(points).items():
+        torch_p, jax_p = pair.get("liger_torch"), pair.get("liger_jax")
+        if not (torch_p and jax_p and torch_p.get("status") == jax_p.get("status") == "ok"):
+            continue
+        ratio = jax_p["median_ms"] / torch_p["median_ms"]
+        run_ceilings = jax_p.get("ceilings") or ceilings
+        copy, jax_copy = run_ceilings.get("copy_GBps"), run_ceilings.get("jax_copy_GBps")
+        adjusted = f"{ratio * jax_copy / copy:.2f}" if copy and jax_copy else "-"
+        rows.append([kernel, pass_, shape, _fmt_ms(torch_p["median_ms"]), _fmt_ms(jax_p["median_ms"]),
+                     f"{ratio:.2f}", adjusted])
+    if not rows:
+        return []
+    return ["## JAX frontend against torch frontend", "",
+            "Same kernel, pass and shape; ms (median). Timer-adjusted: the ratio times (jax timer's copy GB/s / "
+            "torch timer's copy GB/s) from the same run, so that what the two timing methods add is divided out.",
+            "", *_table(["kernel", "pass", "shape", "liger_torch", "liger_jax", "jax / torch",
+                         "timer-adjusted"], rows), ""]
+
+
+def _frontend_pairs(points):
+    pairs: dict = {}
+    for p in points:
+        if _kind(p) == "kernel" and p.get("provider") in ("liger_torch", "liger_jax"):
+            pairs.setdefault((p.get("pass"), p.get("shape"), p.get("kernel")), {})[p["provider"]] = p
+    return pairs
+
+
 def render_markdown(results: dict, plots: dict | None = None) -> str:
     """The report of ``results`` (the parsed JSON); ``plots``: {section: relative PNG path} to link."""
     plots = plots or {}
@@ -427,6 +459,7 @@ def render_markdown(results: dict, plots: dict | None = None) -> str:
     for kernel in kernels:
         lines += kernel_section(kernel, [p for p in points if _kind(p) == "kernel" and p.get("kernel") == kernel],
                                 plots.get(kernel))
+    lines += frontend_section(points, results.get("ceilings") or {})
     failures = [p for p in points if p.get("status") in ("error", "oom") and p.get("error")]
     if failures:
         lines += ["## Failures", ""]

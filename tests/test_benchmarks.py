@@ -371,6 +371,27 @@ def test_jax_fwd_bwd_output_order_with_fewer_copies(monkeypatch):
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(g.at[:, 0].set(0.0)))
 
 
+def test_report_compares_the_frontends_with_the_timers_divided_out():
+    """The jax-vs-torch table: same kernel, pass and shape, both ok; the adjusted ratio uses the point's own
+    run's ceilings when a merged file carries them, else the file's."""
+    def point(provider, ms, shape="64x64", status="ok", **extra):
+        return {"kind": "kernel", "kernel": "rms_norm", "pass": "fwd", "shape": shape, "provider": provider,
+                "framework": "jax" if provider == "liger_jax" else "torch", "status": status, "median_ms": ms,
+                "p20_ms": ms, "p80_ms": ms, "reps": 10, **extra}
+
+    results = {"ceilings": {"copy_GBps": 4000.0, "jax_copy_GBps": 3600.0}, "points": [
+        point("liger_torch", 1.0), point("liger_jax", 1.2),
+        point("liger_torch", 2.0, "128x64"), point("liger_jax", 2.0, "128x64",
+                                                   ceilings={"copy_GBps": 4000.0, "jax_copy_GBps": 2000.0}),
+        point("liger_torch", 1.0, "256x64"), point("liger_jax", None, "256x64", status="oom"),
+    ]}
+    md = report.render_markdown(results)
+    assert "## JAX frontend against torch frontend" in md
+    assert "| rms_norm | fwd | 64x64 | 1.000 | 1.200 | 1.20 | 1.08 |" in md
+    assert "| rms_norm | fwd | 128x64 | 2.000 | 2.000 | 1.00 | 0.50 |" in md
+    assert "256x64 |" not in md.split("## JAX frontend")[1]
+
+
 def test_jax_copy_ceiling_is_measured_with_the_jax_timer(monkeypatch):
     """The jax columns' timer on an elementwise op: a positive bandwidth where jax has a GPU (faked here, on
     small bytes), None where it has none."""
