@@ -224,7 +224,8 @@ def _run(args) -> int:
     results["ceilings"], results["machine"] = ceilings, machine
     run_record = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": args.argv,
                   "modules": kernels, "quick": args.quick, "smoke": args.smoke, "ceilings": ceilings,
-                  "jax_inputs": "rotated below 2 x L2; above, donated where that removes a copy"}
+                  "jax_inputs": "chained below 2 x L2 (copies called in turn by one program); above, donated "
+                                "where that removes a copy"}
     results.setdefault("runs", []).append(run_record)
 
     this_run = []

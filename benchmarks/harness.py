@@ -14,7 +14,8 @@ Timing:
   time, an op run alone is launch-bound); ~25 ms of warm-up, then ~100 ms of repetitions and at least
   ``min_reps`` of them; all repetition times are kept (median, p20, p80).
 - jax: host clock around several queued calls and one ``block_until_ready`` (jax runs on its own stream); inputs
-  that fit in L2 are rotated between copies; of larger ones, those whose donation removes a copy from the
+  that fit in L2 are copied a few times and one program calls the op on each copy in turn (so that a short op
+  is not timed by the host's dispatch of a program per call); of larger ones, those whose donation removes a copy from the
   compiled program are donated (each call a fresh copy made before the clock starts), as a model's
   intermediates are: an op writing over its operand is not charged with a defensive copy, and an op that only
   reads its operand is not charged with a copy into a donated buffer.
@@ -253,10 +254,11 @@ def time_jax(run) -> list[float]:
     import jax
 
     prepare = getattr(run, "prepare", None) or (lambda n=1: None)
+    per_run = getattr(run, "calls_per_run", 1)  # a chained runner's calls in one program
     prepare(1)
     jax.block_until_ready(run())  # compile
     if smoke():
-        return _time_host(run, 1, 3, 1.0, sync=jax.block_until_ready)
+        return [t / per_run for t in _time_host(run, 1, 3, 1.0, sync=jax.block_until_ready)]
     prepare(3)
     t0 = time.perf_counter()
     for _ in range(3):
@@ -270,7 +272,7 @@ def time_jax(run) -> list[float]:
         start = time.perf_counter()
         out = [run() for _ in range(calls)]
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) * 1e3 / calls)
+        times.append((time.perf_counter() - start) * 1e3 / (calls * per_run))
     return times
 
 
@@ -712,8 +714,8 @@ def jax_extra_mb(compiled) -> float | None:
 
 def jax_runner(fn, *args):
     """jit and compile ``fn`` for ``args``, and return a zero-argument runner carrying the program's extra
-    memory. Arguments that fit in L2 are copied a few times and the runner rotates between the copies; larger ones
-    are donated (:func:`donating_jax_runner`)."""
+    memory (of one call). Arguments that fit in L2 are copied a few times and one program calls ``fn`` on each
+    copy in turn (:func:`chained_jax_runner`); larger ones are donated (:func:`donating_jax_runner`)."""
     import jax
     import jax.numpy as jnp
 
@@ -722,18 +724,42 @@ def jax_runner(fn, *args):
     if not smoke() and device() == "cuda" and nbytes >= 2 * l2_bytes():
         return donating_jax_runner(fn, *args)
     compiled = jax.jit(fn).lower(*args).compile()
-    sets = [args]
     if not smoke() and device() == "cuda" and 0 < nbytes < 2 * l2_bytes():
         copies = min(16, math.ceil(4 * l2_bytes() / nbytes))
-        sets += [jax.tree.map(jnp.copy, args) for _ in range(copies - 1)]
-    state = {"i": 0}
-
-    def run():
-        i = state["i"]
-        state["i"] = (i + 1) % len(sets)
-        return compiled(*sets[i])
+        sets = [args] + [jax.tree.map(jnp.copy, args) for _ in range(copies - 1)]
+        run = chained_jax_runner(fn, sets)
+    else:
+        def run():
+            return compiled(*args)
 
     run.peak_extra_MB = jax_extra_mb(compiled)
+    return run
+
+
+def chained_jax_runner(fn, sets):
+    """One program calling ``fn`` on each argument set in turn (``run.calls_per_run`` calls per run). A call of
+    tens of microseconds, one program each, is timed by the host's dispatch of the program, not by the GPU; here
+    the dispatch is paid once for all. Each call's arguments pass through an optimization barrier together with
+    the previous call's outputs, so XLA runs the calls one after another, as a stream would, and cannot fuse
+    them into one kernel (its horizontal fusion would merge independent small ops)."""
+    import jax
+
+    def chained(all_sets):
+        outs, previous = [], ()
+        for s in all_sets:
+            previous, s = jax.lax.optimization_barrier((previous, s))
+            previous = fn(*s)
+            outs.append(previous)
+        return outs
+
+    lowered = jax.jit(chained).lower(sets)
+    compiled = lowered.compile()
+
+    def run():
+        return compiled(sets)
+
+    run.calls_per_run = len(sets)
+    run.lowered = lowered
     return run
 
 

@@ -399,9 +399,15 @@ def _header(results: dict) -> list[str]:
             lines.append("")
     if ceilings.get("device", "cuda") == "cuda":
         donated = any(r.get("jax_inputs") for r in runs)
+        chained = any("chained" in (r.get("jax_inputs") or "") for r in runs)
+        small = ("inputs that fit in L2 copied and called in turn by one program (per call: the program's time "
+                 "over its calls)" + (" in the runs that say so in `jax_inputs`, rotated between calls before"
+                                      if chained and not all("chained" in (r.get("jax_inputs") or "")
+                                                             for r in runs) else "")
+                 if chained else "inputs rotated when they fit in L2")
         timing = ("torch timed with CUDA events, L2 flushed before every repetition, ~25 ms warm-up, median of "
                   ">= 10 repetitions (p20-p80 in the detail tables); jax with a host clock around queued calls, "
-                  "inputs rotated when they fit in L2" + (
+                  + small + (
                       ", larger inputs donated where that removes a copy from the program (each call a fresh "
                       "copy, so an op writing over an operand is not charged with XLA's defensive copy)."
                       if donated else "."))

@@ -392,6 +392,31 @@ def test_report_compares_the_frontends_with_the_timers_divided_out():
     assert "256x64 |" not in md.split("## JAX frontend")[1]
 
 
+def test_small_jax_inputs_are_called_in_turn_by_one_program(monkeypatch):
+    """Inputs that fit in L2: one program calls the op on each copy in turn, the calls ordered by optimization
+    barriers (no fusion of the copies' ops into one kernel), and the timer divides by the calls per run."""
+    import jax
+    import numpy as np
+
+    from benchmarks import harness
+
+    monkeypatch.setattr(harness, "device", lambda: "cuda")
+    monkeypatch.setattr(harness, "smoke", lambda: False)
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 4096)  # a 2 KB input: 8 copies
+    x = jax.random.normal(jax.random.key(9), (16, 32), jax.numpy.float32)
+    run = harness.jax_runner(lambda v: (v * 2.0, v.sum()), x)
+    assert run.calls_per_run == 8 and run.peak_extra_MB is not None
+    outs = run()
+    assert len(outs) == 8
+    for doubled, total in outs:
+        np.testing.assert_allclose(np.asarray(doubled), np.asarray(x) * 2.0)
+        np.testing.assert_allclose(float(total), float(x.sum()), rtol=1e-6)
+    assert run.lowered.as_text().count("optimization_barrier") == 8
+    monkeypatch.setattr(harness, "smoke", lambda: True)  # the timer divides a run's time by its calls
+    monkeypatch.setattr(harness, "_time_host", lambda run, *a, **k: [8.0, 16.0])
+    assert harness.time_jax(run) == [1.0, 2.0]
+
+
 def test_jax_copy_ceiling_is_measured_with_the_jax_timer(monkeypatch):
     """The jax columns' timer on an elementwise op: a positive bandwidth where jax has a GPU (faked here, on
     small bytes), None where it has none."""
