@@ -153,6 +153,27 @@ def test_zero_probabilities(device, seed):
         assert liger_torch.jsd(s, t, beta=1.0).item() == float("inf")
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_probabilities_that_underflow(beta, device, seed):
+    """Log-probabilities far below fp32's exp range (-90 to -300, as a sharp teacher or student gives the tail
+    of a large vocabulary): their probabilities underflow to 0, and the loss and gradient still match the fp64
+    reference (those elements contribute below 1e-36), finite, no NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    s, t, _ = draw(seed, (5, 300), torch.float32, device)
+    tail_s = -90.0 - 210.0 * torch.rand(5, 120, generator=gen)
+    tail_t = -90.0 - 210.0 * torch.rand(5, 120, generator=gen)
+    s, t = s.clone(), t.clone()
+    s[:, 30:150], t[:, 60:180] = tail_s.to(device), tail_t.to(device)  # overlapping and one-sided tails
+    s, t = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
+    loss, grad = run(s, t, None, beta, g=1.0)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    # the loss: a mean of 5 rows, each a sum of 300 terms (scale as in test_zero_probabilities)
+    assert_close(loss, reference(s, t, beta), torch.float32, f"loss beta={beta}", scale=5.0)
+    s64 = s.double().requires_grad_(True)
+    reference(s64, t.double(), beta).backward()
+    assert_close(grad * 5, s64.grad * 5, torch.float32, f"grad beta={beta}")  # per element: times the 5 rows
+
+
 def test_non_contiguous_module_and_no_grad(device, seed):
     s, t, labels = draw(seed, (259, 6), torch.float32, device)
     s, t = torch.log_softmax(s.t(), -1), torch.log_softmax(t.t(), -1)
