@@ -26,7 +26,7 @@ def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int, 
 
     On a GPU the count is copied to pinned host memory behind an event, and finishing waits for that event
     only: the loss's kernels, queued in between, keep the GPU busy while the host waits (waiting before
-    queueing them left the GPU idle for the host's whole launch path, +25% on an 8192 x 128256 loss). The
+    queueing them left the GPU idle for the host's whole launch path: 0.23 ms per call at 8192 x 128256). The
     kernels read an invalid target as no class (a NaN loss and gradient for its row), so running them first is
     safe; with ``in_place`` the logits are overwritten by the time the error is raised. Skipped while a CUDA
     graph is captured (no host wait is possible then): the NaN rows remain the mark. Only a failing check
