@@ -144,33 +144,13 @@ def _cross_entropy_kernel(
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """One row per program (a persistent grid looping over rows, its gradient sweep run backwards for L2 reuse,
-    was slower at every block size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt)."""
+    """The loss (and gradient) of one row per program; an ignored row gets a zero loss and a zero gradient. (A
+    persistent grid looping over rows, its gradient sweep run backwards for L2 reuse, was slower at every block
+    size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt.)"""
     x_row_stride = aligned(x_row_stride, ALIGN)
     grad_row_stride = aligned(grad_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    _cross_entropy_row(
-        tl.program_id(0).to(tl.int64), X, x_row_stride, x_col_stride, T, t_stride, W, w_stride, DENOM, G,
-        g_stride, grad_row_stride, grad_col_stride, n_cols, ignore_index, label_smoothing, lse_square_scale,
-        softcap, LOSS, Z_LOSS, GRAD, BLOCK_V, HAS_WEIGHT, MEAN, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z, RETURN_Z,
-        HAS_GRAD, HAS_GRAD_SCALE)
-
-
-@triton.jit
-def _cross_entropy_row(
-    row, X, x_row_stride, x_col_stride,
-    T, t_stride,
-    W, w_stride,
-    DENOM,
-    G, g_stride,
-    grad_row_stride, grad_col_stride,
-    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
-    LOSS, Z_LOSS, GRAD,
-    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr,
-):
-    """The loss (and gradient) of one row; an ignored row gets a zero loss and a zero gradient."""
+    row = tl.program_id(0).to(tl.int64)
     t = tl.load(T + row * t_stride).to(tl.int64)
     if t == ignore_index:
         zero = t.to(tl.float32) * 0.0
@@ -183,84 +163,84 @@ def _cross_entropy_row(
         tl.store(LOSS + row, zero.to(LOSS.dtype.element_ty))
         if RETURN_Z:
             tl.store(Z_LOSS + row, zero.to(Z_LOSS.dtype.element_ty))
+        return
+
+    x_row = X + row * x_row_stride
+    grad_row = GRAD + row * grad_row_stride
+    offsets = tl.arange(0, BLOCK_V)
+    valid = (t >= 0) & (t < n_cols)
+    t_safe = tl.where(valid, t, 0)
+
+    # Sweep 1: online softmax statistics, and the sums label smoothing needs.
+    lse, sum_z, sum_wz, sum_w = row_softmax_stats(x_row, x_col_stride, n_cols, 1.0, softcap, W, w_stride, BLOCK_V,
+                                                  HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
+
+    x_t = tl.load(x_row + t_safe * x_col_stride).to(tl.float32)
+    if HAS_SOFTCAP:
+        x_t = softcap * tanh(x_t / softcap)
+    if HAS_WEIGHT:
+        w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
     else:
-        x_row = X + row * x_row_stride
-        grad_row = GRAD + row * grad_row_stride
-        offsets = tl.arange(0, BLOCK_V)
-        valid = (t >= 0) & (t < n_cols)
-        t_safe = tl.where(valid, t, 0)
-
-        # Sweep 1: online softmax statistics, and the sums label smoothing needs.
-        lse, sum_z, sum_wz, sum_w = row_softmax_stats(x_row, x_col_stride, n_cols, 1.0, softcap, W, w_stride, BLOCK_V,
-                                                      HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
-
-        x_t = tl.load(x_row + t_safe * x_col_stride).to(tl.float32)
-        if HAS_SOFTCAP:
-            x_t = softcap * tanh(x_t / softcap)
+        w_t = 1.0
+    if MEAN:
+        denom_w = tl.load(DENOM)
+        denom_n = tl.load(DENOM + 1)
+        ce_scale = tl.where(denom_w > 0, 1.0 / tl.where(denom_w > 0, denom_w, 1.0), 0.0)
+        z_scale = tl.where(denom_n > 0, 1.0 / tl.where(denom_n > 0, denom_n, 1.0), 0.0)
+    else:
+        ce_scale = 1.0
+        z_scale = 1.0
+    eps = label_smoothing
+    ce = (1.0 - eps) * w_t * (lse - x_t)
+    if HAS_SMOOTHING:
         if HAS_WEIGHT:
-            w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
+            ce += eps / n_cols * (sum_w * lse - sum_wz)
         else:
-            w_t = 1.0
-        if MEAN:
-            denom_w = tl.load(DENOM)
-            denom_n = tl.load(DENOM + 1)
-            ce_scale = tl.where(denom_w > 0, 1.0 / tl.where(denom_w > 0, denom_w, 1.0), 0.0)
-            z_scale = tl.where(denom_n > 0, 1.0 / tl.where(denom_n > 0, denom_n, 1.0), 0.0)
-        else:
-            ce_scale = 1.0
-            z_scale = 1.0
-        eps = label_smoothing
-        ce = (1.0 - eps) * w_t * (lse - x_t)
+            ce += eps * lse - eps / n_cols * sum_z
+    loss = ce * ce_scale
+    z_loss = lse_square_scale * lse * lse * z_scale
+    if HAS_Z:
+        loss += z_loss
+    loss = tl.where(valid, loss, float("nan"))
+    tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
+    if RETURN_Z:
+        tl.store(Z_LOSS + row, tl.where(valid, z_loss, float("nan")).to(Z_LOSS.dtype.element_ty))
+
+    # Sweep 2: d loss / d logits = a * softmax - b * onehot(t) - c * w (times 1 - tanh^2 with a softcap).
+    if HAS_GRAD:
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
-                ce += eps / n_cols * (sum_w * lse - sum_wz)
+                a = ((1.0 - eps) * w_t + eps / n_cols * sum_w) * ce_scale
             else:
-                ce += eps * lse - eps / n_cols * sum_z
-        loss = ce * ce_scale
-        z_loss = lse_square_scale * lse * lse * z_scale
+                a = ce_scale * 1.0
+        else:
+            a = w_t * ce_scale
         if HAS_Z:
-            loss += z_loss
-        loss = tl.where(valid, loss, float("nan"))
-        tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
-        if RETURN_Z:
-            tl.store(Z_LOSS + row, tl.where(valid, z_loss, float("nan")).to(Z_LOSS.dtype.element_ty))
-
-        # Sweep 2: d loss / d logits = a * softmax - b * onehot(t) - c * w (times 1 - tanh^2 with a softcap).
-        if HAS_GRAD:
+            a += 2.0 * lse_square_scale * lse * z_scale
+        b = (1.0 - eps) * w_t * ce_scale
+        c = eps / n_cols * ce_scale
+        if HAS_GRAD_SCALE:
+            g = tl.load(G + row * g_stride).to(tl.float32)
+            a = a * g
+            b = b * g
+            c = c * g
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + offsets
+            mask = cols < n_cols
+            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                th = tanh(x / softcap)
+                x = softcap * th
+            grad = tl.exp(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
-                    a = ((1.0 - eps) * w_t + eps / n_cols * sum_w) * ce_scale
+                    grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
                 else:
-                    a = ce_scale * 1.0
-            else:
-                a = w_t * ce_scale
-            if HAS_Z:
-                a += 2.0 * lse_square_scale * lse * z_scale
-            b = (1.0 - eps) * w_t * ce_scale
-            c = eps / n_cols * ce_scale
-            if HAS_GRAD_SCALE:
-                g = tl.load(G + row * g_stride).to(tl.float32)
-                a = a * g
-                b = b * g
-                c = c * g
-            for start in range(0, n_cols, BLOCK_V):
-                cols = start + offsets
-                mask = cols < n_cols
-                x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    th = tanh(x / softcap)
-                    x = softcap * th
-                grad = tl.exp(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
-                if HAS_SMOOTHING:
-                    if HAS_WEIGHT:
-                        grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
-                    else:
-                        grad -= c
-                if HAS_SOFTCAP:
-                    grad = grad * (1.0 - th * th)
-                grad = tl.where(valid, grad, float("nan"))
-                tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask)
-
+                    grad -= c
+            if HAS_SOFTCAP:
+                grad = grad * (1.0 - th * th)
+            grad = tl.where(valid, grad, float("nan"))
+            tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask)
 
 
 @triton.jit
