@@ -411,10 +411,12 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                  compute_grad: bool = True, in_place: bool = False, logits_name: str = "logits",
-                 target_name: str = "target", weight_name: str = "weight") -> Plan:
+                 target_name: str = "target", weight_name: str = "weight", given_denom: bool = False) -> Plan:
     """Plan for the loss (and its gradient) of logits ``(..., V)`` against integer ``target`` ``(...)``.
 
-    Inputs ``logits``, ``target`` (and ``weight``). Outputs ``loss`` (shape () for mean/sum, target's shape
+    Inputs ``logits``, ``target`` (and ``weight``; and ``denom`` from :func:`denominators_plan` with
+    ``given_denom`` and ``mean``, instead of the plan counting the targets itself: a frontend that counts them
+    for its target check anyway passes its count). Outputs ``loss`` (shape () for mean/sum, target's shape
     for none; logits' dtype), then ``z_loss`` with ``return_z_loss``, then ``grad`` (d loss / d logits, for an
     incoming gradient of 1; logits' dtype) with ``compute_grad``, written over the logits with ``in_place``
     when they are dense. ``*_name`` are the arguments' names in the caller's API, for error messages.
@@ -426,7 +428,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     n_classes = logits.shape[-1]
     n_rows = target.numel
     launches = []
-    if reduction == "mean":
+    if reduction == "mean" and not given_denom:
         launches.append(denominators_launch(target, weight, n_classes, ignore_index))
     rows_dtype, rows_shape = (logits.dtype, target.shape) if reduction == "none" else ("float32", (n_rows,))
     launches.append(rows_launch(
@@ -445,6 +447,8 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     if compute_grad:
         outputs.append("grad")
     inputs = ("logits", "target", "weight") if weight is not None else ("logits", "target")
+    if reduction == "mean" and given_denom:
+        inputs += ("denom",)
     return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs))
 
 

@@ -18,11 +18,11 @@ from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import capturing_cuda_graph, check_tensors, info, optional_info, rowwise, run_plan
 
 
-def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int, name: str = "target",
-                       denom: torch.Tensor | None = None) -> Callable[[], None]:
+def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int, denom: torch.Tensor,
+                       name: str = "target") -> Callable[[], None]:
     """Start checking that every target is in [0, n_classes) or ignore_index; the returned function finishes
-    the check, raising ValueError for a bad one. ``denom``: the denominators the caller already counted for
-    these targets (their [2] is the count of invalid ones), else one launch of the counting kernel.
+    the check, raising ValueError for a bad one. ``denom``: the targets' denominators, counted by the caller
+    (:func:`liger_core.cross_entropy.denominators_plan`: their [2] is the count of invalid ones).
 
     On a GPU the count is copied to pinned host memory behind an event, and finishing waits for that event
     only: the loss's kernels, queued in between, keep the GPU busy while the host waits (waiting before
@@ -33,8 +33,6 @@ def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int, 
     builds the message's details."""
     if capturing_cuda_graph(target):
         return _nothing
-    if denom is None:
-        (denom,) = run_plan(core.denominators_plan(info(target), None, n_classes, ignore_index), target=target)
     if not target.is_cuda:
         count, counted = denom[2], None
     else:
@@ -72,9 +70,12 @@ def _forward(logits, target, weight, ignore_index, reduction, label_smoothing, l
     plan = core.forward_plan(
         info(logits), info(target), optional_info(weight), ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
-        return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=in_place)
-    finish_check = start_target_check(target, logits.shape[-1], ignore_index)
-    outs = run_plan(plan, logits=logits, target=target, weight=weight)
+        return_z_loss=return_z_loss, compute_grad=compute_grad, in_place=in_place, given_denom=True)
+    # one count of the targets: the check's, and the mean's divisors
+    (denom,) = run_plan(core.denominators_plan(info(target), optional_info(weight), logits.shape[-1], ignore_index),
+                        target=target, weight=weight)
+    finish_check = start_target_check(target, logits.shape[-1], ignore_index, denom)
+    outs = run_plan(plan, logits=logits, target=target, weight=weight, denom=denom)
     finish_check()
     return logits, outs
 
@@ -187,8 +188,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
 
     The loss has the logits' dtype (all arithmetic is fp32). Unlike torch, ``mean`` over a batch whose targets
     are all ``ignore_index`` gives 0 (and a zero gradient), not NaN. Targets are checked eagerly: a value
-    outside ``[0, V)`` other than ``ignore_index`` raises ValueError; that check is one reduction over the
-    targets and a host sync (skipped while a CUDA graph is captured: such a target's loss is then NaN).
+    outside ``[0, V)`` other than ``ignore_index`` raises ValueError; that check counts them with the mean's
+    divisors and waits for the count once the loss's kernels are queued (skipped while a CUDA graph is captured:
+    such a target's loss is then NaN).
     """
     check_tensors(logits=logits, target=target, weight=weight)
     core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,

@@ -169,7 +169,7 @@ def _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, n
     # one count of the targets: the check's, and the mean's divisors
     denom = _denominators(t, ce_weight, weight.shape[0], opts)
     # finished after the chunk loop: the GPU runs the loop while the host waits for the count
-    finish_check = start_target_check(t, weight.shape[0], opts["ignore_index"], "target", denom=denom)
+    finish_check = start_target_check(t, weight.shape[0], opts["ignore_index"], denom)
     precompute = opts["reduction"] != "none"
     rows, z, grad_x, grad_w, grad_b = _chunk_loop(x2, weight, t, bias, ce_weight, opts, chunk_size, accum_fp32,
                                                   need if precompute else (False,) * 3, denom=denom)

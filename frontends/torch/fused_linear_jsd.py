@@ -135,8 +135,9 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     (rows, V) logits in ``liger_core.fused_linear_jsd.WORKSPACE_BYTES``, the teacher's as many again); the
     logits are in the inputs' dtypes (as an lm_head's output) and their log-softmax in fp32.
     ``accum_dtype_fp32``: accumulate the student weight's gradient over chunks in fp32 (default: on for bf16/fp16
-    weights). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_weight``; the teacher is a constant, and a teacher
-    tensor that requires grad raises ValueError (detach it, or freeze the teacher).
+    weights). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_weight``; the
+    teacher is a constant, and a teacher tensor that requires grad raises ValueError (detach it, or freeze the
+    teacher).
     """
     check_tensors(student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
                   teacher_weight=teacher_weight, labels=labels)
