@@ -15,8 +15,8 @@ Timing:
   ``min_reps`` of them; all repetition times are kept (median, p20, p80).
 - jax: host clock around several queued calls and one ``block_until_ready`` (jax runs on its own stream); inputs
   that fit in L2 are copied a few times and one program calls the op on each copy in turn (so that a short op
-  is not timed by the host's dispatch of a program per call); of larger ones, those whose donation removes a copy from the
-  compiled program are donated (each call a fresh copy made before the clock starts), as a model's
+  is not timed by the host's dispatch of a program per call); of larger ones, those whose donation removes a
+  copy from the compiled program are donated (each call a fresh copy made before the clock starts), as a model's
   intermediates are: an op writing over its operand is not charged with a defensive copy, and an op that only
   reads its operand is not charged with a copy into a donated buffer.
 - CPU (``--smoke``: tiny shapes, kernels in Triton's interpreter): host clock, few repetitions. These numbers

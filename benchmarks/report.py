@@ -399,12 +399,12 @@ def _header(results: dict) -> list[str]:
             lines.append("")
     if ceilings.get("device", "cuda") == "cuda":
         donated = any(r.get("jax_inputs") for r in runs)
-        chained = any("chained" in (r.get("jax_inputs") or "") for r in runs)
-        small = ("inputs that fit in L2 copied and called in turn by one program (per call: the program's time "
-                 "over its calls)" + (" in the runs that say so in `jax_inputs`, rotated between calls before"
-                                      if chained and not all("chained" in (r.get("jax_inputs") or "")
-                                                             for r in runs) else "")
-                 if chained else "inputs rotated when they fit in L2")
+        chained = ["chained" in (r.get("jax_inputs") or "") for r in runs]
+        small = {(True,): "inputs that fit in L2 copied and called in turn by one program (per call: the program's "
+                          "time over its calls)",
+                 (False,): "inputs rotated when they fit in L2",
+                 (False, True): "inputs that fit in L2 rotated between calls, or (runs whose `jax_inputs` say "
+                                "chained) called in turn by one program"}[tuple(sorted(set(chained or [False])))]
         timing = ("torch timed with CUDA events, L2 flushed before every repetition, ~25 ms warm-up, median of "
                   ">= 10 repetitions (p20-p80 in the detail tables); jax with a host clock around queued calls, "
                   + small + (
