@@ -80,10 +80,9 @@ def _pointwise(x, y, beta, MODE: tl.constexpr):
         dx = loss + q
     else:
         # Log-probabilities are <= 0, so exp cannot overflow, and a probability that underflows to 0 (log-prob
-        # below ~-87) contributes below 1e-36: M is formed from the two probabilities directly. Three
-        # transcendentals and ~20 other instructions per element (the max/abs/select form that kept e^max
-        # apart took ~35; cutting transcendentals from 5 to 3 gained only 4%, so instruction issue, not the
-        # transcendental rate, is the likelier bound: perf-notes, fifth session).
+        # below ~-87) contributes below 1e-36: M is formed from the two probabilities directly, in three
+        # transcendentals and few other instructions (instruction issue is the likelier bound of this kernel:
+        # perf-notes, fifth session).
         p = tl.exp(y)
         q = tl.exp(x)
         # M floored at fp32's smallest normal: a denormal p whose beta * p rounds to 0 would otherwise give
