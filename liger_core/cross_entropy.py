@@ -33,20 +33,13 @@ import triton.language as tl
 from .tl_math import aligned, cast, tanh
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, cdiv, check_float, check_int, check_nonempty,
-    contiguous_strides, next_power_of_2, warps_for,
+    contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
 )
 from .rowwise import row_view
 from .reduce import sum_partials_launch
 
 REDUCTIONS = ("mean", "sum", "none")
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
-# Vocabulary elements one program holds per block of its sweep over a row (num_warps follows: 16 and 8). With
-# the gradient, a GPU sweep on the H200 (bf16, 8192x128256 / 2048x128256 / 8192x32000; now
-# scripts/tune_row_kernels.py): 4096 at 8 warps 1.660 / 0.441 / 0.450 ms against 8192 at 16 warps
-# 1.757 / 0.462 / 0.462 (more programs per SM, each with its next block in flight). The loss alone was swept
-# at 8192 only.
-_MAX_BLOCK_V = 8192
-_MAX_BLOCK_V_GRAD = 4096
 # Targets one program reads per step when counting the non-ignored rows.
 _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
@@ -353,10 +346,6 @@ def denominators_launch(target: ArrayInfo, weight: ArrayInfo | None, n_classes: 
     )
 
 
-def block_v(n_cols: int, compute_grad: bool = True) -> int:
-    return min(_MAX_BLOCK_V_GRAD if compute_grad else _MAX_BLOCK_V, next_power_of_2(n_cols))
-
-
 def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                 reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                 return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
@@ -383,7 +372,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         if grad_scale.numel != n_rows:
             raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
         g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
-    bv = block_v(n_cols, compute_grad)
+    bv, warps = sweep_block_and_warps(n_cols)
     return Launch(
         kernel=_cross_entropy_kernel,
         grid=(n_rows,),
@@ -402,7 +391,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
                     "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
                     "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
                     "HAS_GRAD_SCALE": grad_scale is not None},
-        num_warps=warps_for(bv, max_warps=16),
+        num_warps=warps,
     )
 
 

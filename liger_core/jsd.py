@@ -43,12 +43,11 @@ import triton.language as tl
 from . import cross_entropy as ce
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, check_float, check_int, check_nonempty, check_same_shape,
-    collapse_rows, next_power_of_2, promote, warps_for,
+    collapse_rows, next_power_of_2, promote, sweep_block_and_warps, warps_for,
 )
 from .reduce import sum_partials_launch
 from .tl_math import aligned, cast
 
-_MAX_BLOCK = 4096
 _COUNT_BLOCK = 1024
 
 
@@ -87,7 +86,10 @@ def _pointwise(x, y, beta, MODE: tl.constexpr):
         q = tl.exp(x)
         # M floored at fp32's smallest normal: a denormal p whose beta * p rounds to 0 would otherwise give
         # log M = -inf and p * (y - log M) = inf (the floor's error is below 1e-38 per element)
-        log_m = tl.log(tl.maximum(beta * p + (1.0 - beta) * q, 1.2e-38))
+        # (a select, not tl.maximum: the GPU's max returns the number where the other operand is NaN, and a NaN
+        # in p or q must reach the loss and the gradient)
+        m = beta * p + (1.0 - beta) * q
+        log_m = tl.log(tl.where(m < 1.2e-38, 1.2e-38, m))
         term_p = p * tl.where(p == 0.0, 0.0, y - log_m)
         term_q = q * tl.where(q == 0.0, 0.0, x - log_m)
         loss = beta * term_p + (1.0 - beta) * term_q
@@ -262,7 +264,7 @@ def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None
         grad = NewBuffer("grad_unused", (1,), student.dtype)
         g_row_stride, g_col_stride = 0, 0
     has_labels = labels is not None
-    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
+    block, warps = sweep_block_and_warps(n_cols)
     return Launch(
         kernel=_jsd_kernel,
         grid=(n_rows,),
@@ -275,7 +277,7 @@ def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None
         outputs=(NewBuffer("loss_rows", (n_rows,), "float32"), grad),
         constexprs={"BLOCK": block, "MODE": _mode(beta), "HAS_LABELS": has_labels,
                     "HAS_GRAD": bool(compute_grad), "FROM_LOGITS": bool(from_logits)},
-        num_warps=warps_for(block, max_warps=8),
+        num_warps=warps,
     )
 
 

@@ -23,12 +23,12 @@ import triton.language as tl
 from .tl_math import aligned, cast
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
-    next_power_of_2, promote, warps_for,
+    next_power_of_2, promote, sweep_block_and_warps, warps_for,
 )
 from .reduce import sum_partials_launch
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
-_MAX_BLOCK = 4096
+_BACKWARD_BLOCK = 4096  # elements per program of the (elementwise) backward
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", lo
     check_inputs(x, target, reduction, x_name, target_name)
     n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, x_name)
     _, _, y_row_stride, y_col_stride = _rows(target, target_name)
-    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
+    block, warps = sweep_block_and_warps(n_cols)
     dtype = output_dtype(x, target)
     elementwise = reduction == "none"
     out = NewBuffer("loss" if elementwise else "loss_rows", x.shape if elementwise else (n_rows,),
@@ -133,7 +133,7 @@ def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", lo
               n_cols, _scale(x, reduction)),
         outputs=(out,),
         constexprs={"BLOCK": block, "LOG_TARGET": bool(log_target), "ELEMENTWISE": elementwise},
-        num_warps=warps_for(block, max_warps=8),
+        num_warps=warps,
     )
     launches = [main]
     if not elementwise:
@@ -164,7 +164,7 @@ def backward_plan(grad_output: ArrayInfo, x: ArrayInfo, target: ArrayInfo, *, re
         if grad_output.numel != 1:
             raise ValueError(f"grad_output must be a scalar for reduction={reduction!r}, got {grad_output.shape}")
         g_row_stride = g_col_stride = 0
-    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
+    block = min(_BACKWARD_BLOCK, next_power_of_2(n_cols))
     launch = Launch(
         kernel=_kl_div_backward_kernel,
         grid=(n_rows, cdiv(n_cols, block)),
