@@ -8,9 +8,15 @@ reduced by ``none`` (pointwise, input's shape), ``sum``, ``mean`` (over all elem
 divided by ``input.shape[0]``, the mathematically correct KL for a batch of distributions).
 
 Forward: one program per row sums the pointwise terms in fp32 over blocks of the last axis (or writes them, for
-``none``); the per-row sums are added in a fixed order (:mod:`liger_core.reduce`). Backward: elementwise
+``none``); the per-row sums are added in a fixed order (:mod:`liger_core.reduce`). The gradient is
 ``d input = -target * scale * grad`` (``-exp(target)`` with ``log_target``). Only ``input`` is differentiated:
 the target (a teacher's distribution, in distillation) gets no gradient.
+
+For the reductions to a scalar the forward can write ``-target * scale`` in the same sweep (``compute_grad``):
+the backward is then a scale by the incoming gradient, skipped where it is 1 (:func:`scale_grad_plan`), and a
+training step moves three N x V arrays (input and target read, gradient written) instead of four (the target
+read again by a separate backward). ``none`` keeps the separate backward (:func:`backward_plan`): its incoming
+gradient is a full array, to be read anyway.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
     next_power_of_2, promote, sweep_block_and_warps, warps_for,
 )
+from . import cross_entropy as ce
 from .reduce import sum_partials_launch
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
@@ -35,10 +42,13 @@ _BACKWARD_BLOCK = 4096  # elements per program of the (elementwise) backward
 def _kl_div_forward_kernel(
     X, x_row_stride, x_col_stride,
     Y, y_row_stride, y_col_stride,
-    n_cols, scale,
-    OUT,
-    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, ELEMENTWISE: tl.constexpr, ALIGN: tl.constexpr,
+    n_cols, scale, grad_scale,
+    OUT, GRAD,
+    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, ELEMENTWISE: tl.constexpr, HAS_GRAD: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
+    """Per row: the sum of the pointwise terms times ``scale`` (or the terms, ``ELEMENTWISE``); with ``HAS_GRAD``
+    also ``GRAD = -p * grad_scale`` (dense rows), p the target's probabilities."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     y_row_stride = aligned(y_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
@@ -51,10 +61,14 @@ def _kl_div_forward_kernel(
         x = tl.load(X + row * x_row_stride + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(Y + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
         if LOG_TARGET:
-            loss = tl.exp(y) * (y - x)
+            p = tl.exp(y)
+            loss = p * (y - x)
         else:
+            p = y
             loss = tl.where(y == 0.0, 0.0, y * (tl.log(tl.where(y == 0.0, 1.0, y)) - x))
         loss = tl.where(mask, loss, 0.0)
+        if HAS_GRAD:
+            tl.store(GRAD + row * n_cols + cols, cast(-p * grad_scale, GRAD.dtype.element_ty), mask=mask)
         if ELEMENTWISE:
             tl.store(OUT + row * n_cols + cols, cast(loss, OUT.dtype.element_ty), mask=mask)
         else:
@@ -81,7 +95,9 @@ def _kl_div_backward_kernel(
     g = tl.load(G + row * g_row_stride + cols * g_col_stride, mask=mask, other=0.0).to(tl.float32)
     if LOG_TARGET:
         y = tl.exp(y)
-    tl.store(DX + row * n_cols + cols, cast(-y * g * scale, DX.dtype.element_ty), mask=mask)
+    # (-y * scale) first: the order of the forward's gradient times the scale kernel's g, so that both paths
+    # give the same fp32 bits
+    tl.store(DX + row * n_cols + cols, cast((-y * scale) * g, DX.dtype.element_ty), mask=mask)
 
 
 def _rows(info: ArrayInfo, name: str):
@@ -114,39 +130,64 @@ def output_dtype(x: ArrayInfo, target: ArrayInfo) -> str:
     return promote(x.dtype, target.dtype)
 
 
-@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
-def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", log_target: bool = False,
-                 x_name: str = "input", target_name: str = "target") -> Plan:
-    """Plan for the loss: inputs ``input``, ``target``; output ``loss`` (input's shape for none, else ())."""
-    check_inputs(x, target, reduction, x_name, target_name)
+def _forward_launch(x: ArrayInfo, target: ArrayInfo, reduction: str, log_target: bool, x_name: str,
+                    target_name: str, grad_scale: float | None) -> Launch:
+    """The per-row kernel: ``loss`` (``none``) or fp32 ``loss_rows``; ``grad`` too unless ``grad_scale`` is None."""
     n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, x_name)
     _, _, y_row_stride, y_col_stride = _rows(target, target_name)
     block, warps = sweep_block_and_warps(n_cols)
-    dtype = output_dtype(x, target)
     elementwise = reduction == "none"
     out = NewBuffer("loss" if elementwise else "loss_rows", x.shape if elementwise else (n_rows,),
-                    dtype if elementwise else "float32")
-    main = Launch(
+                    output_dtype(x, target) if elementwise else "float32")
+    has_grad = grad_scale is not None
+    grad = NewBuffer("grad", x.shape, x.dtype) if has_grad else NewBuffer("grad_unused", (1,), x.dtype)
+    return Launch(
         kernel=_kl_div_forward_kernel,
         grid=(n_rows,),
         args=(Buf("input"), x_row_stride, x_col_stride, Buf("target"), y_row_stride, y_col_stride,
-              n_cols, _scale(x, reduction)),
-        outputs=(out,),
-        constexprs={"BLOCK": block, "LOG_TARGET": bool(log_target), "ELEMENTWISE": elementwise},
+              n_cols, _scale(x, reduction), float(grad_scale) if has_grad else 0.0),
+        outputs=(out, grad),
+        constexprs={"BLOCK": block, "LOG_TARGET": bool(log_target), "ELEMENTWISE": elementwise,
+                    "HAS_GRAD": has_grad},
         num_warps=warps,
     )
-    launches = [main]
-    if not elementwise:
-        launches.append(sum_partials_launch("loss_rows", "loss", 1, n_rows, 1, dtype, out_shape=()))
-    return Plan(inputs=("input", "target"), launches=tuple(launches), outputs=("loss",))
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
-def row_sums_plan(x: ArrayInfo, target: ArrayInfo, *, log_target: bool = False) -> Plan:
+def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", log_target: bool = False,
+                 x_name: str = "input", target_name: str = "target", compute_grad: bool = False) -> Plan:
+    """Plan for the loss: inputs ``input``, ``target``; output ``loss`` (input's shape for none, else ()), then
+    with ``compute_grad`` (not for ``none``) ``grad``, d loss / d input for an incoming gradient of 1 (input's
+    shape and dtype; :func:`scale_grad_plan` applies the real one)."""
+    check_inputs(x, target, reduction, x_name, target_name)
+    if compute_grad and reduction == "none":
+        raise ValueError("compute_grad needs a reduction to a scalar; reduction='none' uses backward_plan")
+    main = _forward_launch(x, target, reduction, log_target, x_name, target_name,
+                           _scale(x, reduction) if compute_grad else None)
+    if reduction == "none":
+        return Plan(inputs=("input", "target"), launches=(main,), outputs=("loss",))
+    total = sum_partials_launch("loss_rows", "loss", 1, main.grid[0], 1, output_dtype(x, target), out_shape=())
+    return Plan(inputs=("input", "target"), launches=(main, total),
+                outputs=("loss", "grad") if compute_grad else ("loss",))
+
+
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
+def row_sums_plan(x: ArrayInfo, target: ArrayInfo, *, log_target: bool = False,
+                  grad_scale: float | None = None) -> Plan:
     """The ``sum`` forward up to its fp32 per-row sums ``loss_rows`` (for a row-sharded loss whose shards add
-    them up themselves)."""
-    plan = forward_plan(x, target, reduction="sum", log_target=log_target)
-    return Plan(inputs=plan.inputs, launches=plan.launches[:1], outputs=("loss_rows",))
+    them up themselves), then ``grad = -target * grad_scale`` unless ``grad_scale`` is None (the global
+    reduction's divisor: a shard's own size is not the loss's)."""
+    check_inputs(x, target, "sum")
+    launch = _forward_launch(x, target, "sum", log_target, "input", "target", grad_scale)
+    return Plan(inputs=("input", "target"), launches=(launch,),
+                outputs=("loss_rows", "grad") if grad_scale is not None else ("loss_rows",))
+
+
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
+def scale_grad_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, in_place: bool = True) -> Plan:
+    """``dinput = grad * grad_output`` (a scalar): inputs ``grad`` (from :func:`forward_plan` with
+    ``compute_grad``) and ``grad_output``; output ``dlogits``, written over ``grad`` with ``in_place``."""
+    return ce.backward_plan(grad, grad_output, reduction="mean", in_place=in_place)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments

@@ -32,10 +32,12 @@ def draw(seed, shape, dtype, log_target):
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean", "batchmean"])
 @pytest.mark.parametrize("log_target", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_forward_and_grads_under_jit(reduction, log_target, dtype, seed):
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_forward_and_grads_under_jit(reduction, log_target, dtype, grad_in_forward, seed):
     x, t, rng = draw(seed, (2, 3, 259), dtype, log_target)
     probe = jnp.asarray(rng.standard_normal(x.shape) if reduction == "none" else 0.7, jnp.float32)
-    f = lambda a: liger_jax.kl_div(a, t, reduction=reduction, log_target=log_target)
+    f = lambda a: liger_jax.kl_div(a, t, reduction=reduction, log_target=log_target,
+                                   grad_in_forward=grad_in_forward)
     loss = jax.jit(f)(x)
     want = reference(x, t, reduction, log_target)
     assert loss.dtype == dtype and loss.shape == want.shape
@@ -56,6 +58,16 @@ def test_matches_optax_and_vmap(seed):
     assert_close(np.asarray(rows), np.asarray(optax.kl_divergence(x, t)), jnp.float32, "rows", scale=3.0)
     per_example = jax.vmap(lambda a, b: liger_jax.kl_div(a, b, reduction="sum"))(x, t)
     assert_close(np.asarray(per_example), np.asarray(optax.kl_divergence(x, t)), jnp.float32, "vmap", scale=3.0)
+
+
+def test_grad_under_vmap(seed):
+    """Per-example losses under vmap: each example's gradient comes from its own forward, scaled by its own
+    cotangent."""
+    x, t, rng = draw(seed, (3, 4, 131), jnp.float32, False)
+    probe = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    per_example = jax.vmap(lambda a, b: liger_jax.kl_div(a, b, reduction="batchmean"))
+    grad = jax.jit(jax.grad(lambda a: jnp.sum(per_example(a, t) * probe)))(x)
+    assert_close(np.asarray(grad), np.asarray(-t * probe[:, None, None] / 4), jnp.float32, "dx")
 
 
 def test_bad_input():

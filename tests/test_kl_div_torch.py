@@ -27,12 +27,13 @@ def draw(seed, shape, dtype, log_target, device="cpu"):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("log_target", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_forward_backward(shape, reduction, log_target, dtype, device, seed):
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_forward_backward(shape, reduction, log_target, dtype, grad_in_forward, device, seed):
     x, t, gen = draw(seed, shape, dtype, log_target, device=device)
     g_shape = shape if reduction == "none" else ()
     g = (torch.randn(g_shape, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(device, dtype)
     xa = x.clone().requires_grad_(True)
-    loss = liger_torch.kl_div(xa, t, reduction, log_target)
+    loss = liger_torch.kl_div(xa, t, reduction, log_target, grad_in_forward=grad_in_forward)
     loss.backward(g)
     xr = x.double().requires_grad_(True)
     ref = F.kl_div(xr, t.double(), reduction=reduction, log_target=log_target)
@@ -67,6 +68,38 @@ def test_non_contiguous_and_expanded_grad(device, seed):
     xr = x.double().requires_grad_(True)
     F.kl_div(xr, t.double(), reduction="none").sum().backward()
     assert_close(xa.grad, xr.grad, torch.float32, "dinput")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "batchmean"])
+def test_gradient_from_the_forward_is_scaled_once(reduction, device, seed):
+    """A loss reduced to a scalar gets its gradient in the forward and the backward scales it in place: a second
+    backward through the same graph is refused instead of scaling it twice. Without grad, none is computed."""
+    x, t, _ = draw(seed, (3, 259), torch.float32, False, device=device)
+    loss = liger_torch.kl_div(x.clone().requires_grad_(True), t, reduction)
+    loss.backward(torch.tensor(0.5, device=device), retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+    xa = x.clone().requires_grad_(True)
+    separate = liger_torch.KLDivLoss(reduction, grad_in_forward=False)(xa, t)  # the gradient from the target
+    separate.backward(retain_graph=True)
+    separate.backward()
+    assert_close(xa.grad, -2 * t / (3 if reduction == "batchmean" else 1), torch.float32, "dinput")
+    with torch.no_grad():
+        plain = liger_torch.kl_div(x.clone().requires_grad_(True), t, reduction)
+    assert not plain.requires_grad
+    assert_close(plain, F.kl_div(x.double(), t.double(), reduction=reduction), torch.float32, "no-grad loss",
+                 scale=x.numel() ** 0.5)
+
+
+def test_elementwise_loss_backward_twice(device, seed):
+    """``none`` computes its gradient in the backward, from the target: a retained graph runs it again."""
+    x, t, gen = draw(seed, (3, 259), torch.float32, False, device=device)
+    xa = x.clone().requires_grad_(True)
+    loss = liger_torch.kl_div(xa, t, "none")
+    g = torch.randn(x.shape, generator=gen).to(device)
+    loss.backward(g, retain_graph=True)
+    loss.backward(g)
+    assert_close(xa.grad, -2 * t * g, torch.float32, "dinput")
 
 
 def test_bad_input(device):
