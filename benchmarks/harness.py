@@ -715,7 +715,8 @@ def jax_extra_mb(compiled) -> float | None:
 def jax_runner(fn, *args):
     """jit and compile ``fn`` for ``args``, and return a zero-argument runner carrying the program's extra
     memory (of one call). Arguments that fit in L2 are copied a few times and one program calls ``fn`` on each
-    copy in turn (:func:`chained_jax_runner`); larger ones are donated (:func:`donating_jax_runner`)."""
+    copy in turn (:func:`chained_jax_runner`); larger ones are donated (:func:`donating_jax_runner`). Both
+    donate an argument only where that removes a copy from the program."""
     import jax
     import jax.numpy as jnp
 
@@ -723,17 +724,31 @@ def jax_runner(fn, *args):
     nbytes = sum(int(getattr(x, "nbytes", 0)) for x in leaves)
     if not smoke() and device() == "cuda" and nbytes >= 2 * l2_bytes():
         return donating_jax_runner(fn, *args)
-    compiled = jax.jit(fn).lower(*args).compile()
     if not smoke() and device() == "cuda" and 0 < nbytes < 2 * l2_bytes():
         copies = min(16, math.ceil(4 * l2_bytes() / nbytes))
-        sets = [args] + [jax.tree.map(jnp.copy, args) for _ in range(copies - 1)]
-        run = chained_jax_runner(fn, sets)
-    else:
-        def run():
-            return compiled(*args)
+        return chained_jax_runner(fn, [args] + [jax.tree.map(jnp.copy, args) for _ in range(copies - 1)])
+    compiled = jax.jit(fn).lower(*args).compile()
+
+    def run():
+        return compiled(*args)
 
     run.peak_extra_MB = jax_extra_mb(compiled)
     return run
+
+
+def _donation_with_fewest_copies(compile_donating, n_leaves):
+    """``(donated leaf positions, compiled program, its copy bytes)``: each position is donated, greedily in
+    order, only if that removes copy bytes from the program ``compile_donating(positions)`` (none are tried when
+    the program without donation has no copy)."""
+    donated: frozenset = frozenset()
+    compiled = compile_donating(donated)
+    copies = hlo_copy_bytes(compiled)
+    for i in range(n_leaves if copies else 0):
+        trial = compile_donating(donated | {i})
+        trial_copies = hlo_copy_bytes(trial)
+        if trial_copies < copies:
+            donated, compiled, copies = donated | {i}, trial, trial_copies
+    return donated, compiled, copies
 
 
 def chained_jax_runner(fn, sets):
@@ -741,25 +756,81 @@ def chained_jax_runner(fn, sets):
     tens of microseconds, one program each, is timed by the host's dispatch of the program, not by the GPU; here
     the dispatch is paid once for all. Each call's arguments pass through an optimization barrier together with
     the previous call's outputs, so XLA runs the calls one after another, as a stream would, and cannot fuse
-    them into one kernel (its horizontal fusion would merge independent small ops)."""
+    them into one kernel (its horizontal fusion would merge independent small ops).
+
+    An op that writes over an operand (our kernels' ``input_output_aliases``) makes XLA copy that operand when
+    the program's caller keeps it; in a model it is an intermediate and nothing is copied. So argument positions
+    are donated (every set's leaf at that position) where that removes copy bytes, and ``run.prepare(n)`` makes
+    fresh copies of the donated leaves for ``n`` runs, untimed. jax ties each donated buffer to the first
+    unclaimed output of its shape; the program takes the donated leaves position by position and returns its
+    outputs output by output (``run.per_call(outputs)`` regroups them by call), so that the ties are those of a
+    single call."""
     import jax
+    import jax.numpy as jnp
 
-    def chained(all_sets):
-        outs, previous = [], ()
-        for s in all_sets:
-            previous, s = jax.lax.optimization_barrier((previous, s))
-            previous = fn(*s)
-            outs.append(previous)
-        return outs
+    flat = [jax.tree.flatten(s) for s in sets]
+    treedef = flat[0][1]
+    leaf_sets = [leaves for leaves, _ in flat]
+    n_leaves, n_calls = len(leaf_sets[0]), len(sets)
+    out_treedef = []
 
-    lowered = jax.jit(chained).lower(sets)
-    compiled = lowered.compile()
+    def split(donated):
+        """(donated leaves, position-major: one list of every set's leaf per position; kept leaves, per set)"""
+        return ([[ls[i] for ls in leaf_sets] for i in sorted(donated)],
+                [[x for i, x in enumerate(ls) if i not in donated] for ls in leaf_sets])
+
+    def chained_for(donated):
+        order = sorted(donated)
+
+        def chained(donated_by_position, kept_sets):
+            columns, previous = None, ()
+            for c, kept in enumerate(kept_sets):
+                kept = iter(kept)
+                leaves = [donated_by_position[order.index(i)][c] if i in donated else next(kept)
+                          for i in range(n_leaves)]
+                previous, leaves = jax.lax.optimization_barrier((previous, leaves))
+                previous = fn(*jax.tree.unflatten(treedef, leaves))
+                outs, out_treedef[:] = jax.tree.flatten(previous)[0], [jax.tree.structure(previous)]
+                columns = [[o] for o in outs] if columns is None else [col + [o] for col, o in zip(columns, outs)]
+            return columns
+        return chained
+
+    lowered_by = {}
+
+    def compile_donating(donated):
+        lowered_by[donated] = jax.jit(chained_for(donated), donate_argnums=(0,) if donated else ()).lower(
+            *split(donated))
+        return lowered_by[donated].compile()
+
+    donated, compiled, copies = _donation_with_fewest_copies(compile_donating, n_leaves)
+    donated_leaves, kept_sets = split(donated)
+    pool = []
+
+    def prepare(n: int = 1):
+        while donated and len(pool) < n:
+            pool.append(jax.tree.map(jnp.copy, donated_leaves))
+        jax.block_until_ready(pool)
 
     def run():
-        return compiled(sets)
+        if donated and not pool:
+            prepare(1)
+        return compiled(pool.pop() if donated else donated_leaves, kept_sets)
 
-    run.calls_per_run = len(sets)
-    run.lowered = lowered
+    def per_call(columns):
+        return [jax.tree.unflatten(out_treedef[0], [col[c] for col in columns]) for c in range(n_calls)]
+
+    def one_call(*leaves):
+        return fn(*jax.tree.unflatten(treedef, leaves))
+
+    run.prepare = prepare
+    run.per_call = per_call
+    run.calls_per_run = n_calls
+    run.lowered = lowered_by[donated]
+    run.donated = tuple(sorted(donated))
+    run.copy_bytes = copies
+    # the extra memory of one call, with the same arguments donated
+    run.peak_extra_MB = jax_extra_mb(jax.jit(one_call, donate_argnums=run.donated, keep_unused=True).lower(
+        *leaf_sets[0]).compile())
     return run
 
 
@@ -799,14 +870,7 @@ def donating_jax_runner(fn, *args):
     def compile_donating(donated):
         return jax.jit(flat_fn, donate_argnums=tuple(sorted(donated)), keep_unused=True).lower(*leaves).compile()
 
-    donated: set[int] = set()
-    compiled = compile_donating(donated)
-    copies = hlo_copy_bytes(compiled)
-    for i in range(len(leaves)):
-        trial = compile_donating(donated | {i})
-        trial_copies = hlo_copy_bytes(trial)
-        if trial_copies < copies:
-            donated, compiled, copies = donated | {i}, trial, trial_copies
+    donated, compiled, copies = _donation_with_fewest_copies(compile_donating, len(leaves))
     pool = []
 
     def prepare(n: int = 1):

@@ -341,18 +341,20 @@ def test_donating_jax_runner_donates_only_what_removes_a_copy():
     assert not x.is_deleted() and not y.is_deleted()
 
 
-def test_jax_fwd_bwd_output_order_with_fewer_copies(monkeypatch):
+@pytest.mark.parametrize("l2", [1, 2**20], ids=["donating", "chained"])
+def test_jax_fwd_bwd_output_order_with_fewer_copies(monkeypatch, l2):
     """An op that writes its forward over its input and its backward over the cotangent (RoPE's kernels): with
     the gradients first, jax ties the donated input to the gradient and XLA copies twice; the runner times the
-    order without copies, and its results are the op's."""
+    order without copies, and its results are the op's. Large inputs (one call per program) and small ones
+    (chained calls) alike."""
     import jax
     import numpy as np
 
     from benchmarks import harness
 
-    monkeypatch.setattr(harness, "device", lambda: "cuda")  # the donating path, as for large GPU inputs
+    monkeypatch.setattr(harness, "device", lambda: "cuda")  # the GPU's paths
     monkeypatch.setattr(harness, "smoke", lambda: False)
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 1)
+    monkeypatch.setattr(harness, "l2_bytes", lambda: l2)
     x = jax.random.normal(jax.random.key(7), (64, 48), jax.numpy.float32)
     g = jax.random.normal(jax.random.key(8), (64, 48), jax.numpy.float32)
 
@@ -366,7 +368,7 @@ def test_jax_fwd_bwd_output_order_with_fewer_copies(monkeypatch):
     assert harness.jax_runner(grads_first, (x,), g).copy_bytes > 0
     run = harness.jax_pass_runner(f, (x,), g, "fwd+bwd")
     assert run.copy_bytes == 0
-    out, (dx,) = run()
+    out, (dx,) = first_call(run)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(f(x)))
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(g.at[:, 0].set(0.0)))
 
@@ -406,7 +408,7 @@ def test_small_jax_inputs_are_called_in_turn_by_one_program(monkeypatch):
     x = jax.random.normal(jax.random.key(9), (16, 32), jax.numpy.float32)
     run = harness.jax_runner(lambda v: (v * 2.0, v.sum()), x)
     assert run.calls_per_run == 8 and run.peak_extra_MB is not None
-    outs = run()
+    outs = run.per_call(run())
     assert len(outs) == 8
     for doubled, total in outs:
         np.testing.assert_allclose(np.asarray(doubled), np.asarray(x) * 2.0)
@@ -415,6 +417,41 @@ def test_small_jax_inputs_are_called_in_turn_by_one_program(monkeypatch):
     monkeypatch.setattr(harness, "smoke", lambda: True)  # the timer divides a run's time by its calls
     monkeypatch.setattr(harness, "_time_host", lambda run, *a, **k: [8.0, 16.0])
     assert harness.time_jax(run) == [1.0, 2.0]
+
+
+def test_chained_jax_runner_donates_what_an_op_writes_over(monkeypatch):
+    """Small inputs, chained: an operand the op updates in place is donated in every set (so the program holds
+    no copy of it), each run gets fresh copies from ``prepare``, and an operand only read is kept."""
+    import jax
+    import numpy as np
+
+    from benchmarks import harness
+
+    monkeypatch.setattr(harness, "device", lambda: "cuda")
+    monkeypatch.setattr(harness, "smoke", lambda: False)
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 8192)  # two 2 KB inputs: 8 copies
+    x = jax.random.normal(jax.random.key(11), (16, 32), jax.numpy.float32)
+    y = jax.random.normal(jax.random.key(12), (16, 32), jax.numpy.float32)
+
+    def read_only(b):  # an opaque op (like a kernel launch) that writes a fresh output
+        return jax.pure_callback(lambda v: np.asarray(v) * 2.0, jax.ShapeDtypeStruct(b.shape, b.dtype), b)
+
+    def fn(a, b):
+        return a.at[3].set(1.0), read_only(b)
+
+    run = harness.jax_runner(fn, x, y)
+    assert run.calls_per_run == 8 and run.donated == (0,) and run.copy_bytes == 0
+    expected_a = np.asarray(x).copy()
+    expected_a[3] = 1.0
+    run.prepare(2)
+    for _ in range(3):  # two prepared runs, then one from an empty pool
+        outs = run.per_call(run())
+        assert len(outs) == 8
+        for a, b in outs:
+            np.testing.assert_array_equal(np.asarray(a), expected_a)
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(y) * 2.0)
+    assert not x.is_deleted() and not y.is_deleted()
+    assert run.peak_extra_MB is not None
 
 
 def test_jax_copy_ceiling_is_measured_with_the_jax_timer(monkeypatch):
@@ -443,7 +480,7 @@ def test_report_shows_run_notes_and_the_jax_copy_ceiling():
 def first_call(run):
     """The outputs of one call of ``fn`` from a jax runner (on a GPU, a chained runner returns every call's)."""
     out = run()
-    return out[0] if getattr(run, "calls_per_run", 1) > 1 else out
+    return run.per_call(out)[0] if getattr(run, "calls_per_run", 1) > 1 else out
 
 
 def test_jax_fwd_bwd_runner_keeps_the_forward():
