@@ -288,6 +288,16 @@ def test_fwd_bwd_runner_restores_what_an_op_overwrites_and_accumulates_nothing()
     assert x.grad is None
 
 
+def in_place_and_read_only(a, b):
+    """An op that updates ``a`` in place (row 3 set to 1) and reads ``b`` into a fresh output (2 b), the latter
+    opaque to XLA, like a kernel launch."""
+    import jax
+    import numpy as np
+
+    doubled = jax.pure_callback(lambda v: np.asarray(v) * 2.0, jax.ShapeDtypeStruct(b.shape, b.dtype), b)
+    return a.at[3].set(1.0), doubled
+
+
 def test_donating_jax_runner_gives_each_call_fresh_arguments():
     """The runner for inputs larger than L2: the program takes its arguments donated, each call consumes a copy
     made by ``prepare`` (so the caller's arrays stay valid and every call sees the original values), and the
@@ -323,12 +333,7 @@ def test_donating_jax_runner_donates_only_what_removes_a_copy():
     x = jax.random.normal(jax.random.key(5), (64, 32), jax.numpy.float32)
     y = jax.random.normal(jax.random.key(6), (64, 32), jax.numpy.float32)
 
-    def read_only(b):  # an opaque op (like a kernel launch) that writes a fresh output
-        return jax.pure_callback(lambda v: np.asarray(v) * 2.0, jax.ShapeDtypeStruct(b.shape, b.dtype), b)
-
-    def fn(a, b):
-        return a.at[3].set(1.0), read_only(b)
-
+    fn = in_place_and_read_only
     assert hlo_copy_bytes(jax.jit(fn).lower(x, y).compile()) > 0  # the plain program copies a
     run = donating_jax_runner(fn, x, y)
     assert run.donated == (0,)
@@ -433,12 +438,7 @@ def test_chained_jax_runner_donates_what_an_op_writes_over(monkeypatch):
     x = jax.random.normal(jax.random.key(11), (16, 32), jax.numpy.float32)
     y = jax.random.normal(jax.random.key(12), (16, 32), jax.numpy.float32)
 
-    def read_only(b):  # an opaque op (like a kernel launch) that writes a fresh output
-        return jax.pure_callback(lambda v: np.asarray(v) * 2.0, jax.ShapeDtypeStruct(b.shape, b.dtype), b)
-
-    def fn(a, b):
-        return a.at[3].set(1.0), read_only(b)
-
+    fn = in_place_and_read_only
     run = harness.jax_runner(fn, x, y)
     assert run.calls_per_run == 8 and run.donated == (0,) and run.copy_bytes == 0
     expected_a = np.asarray(x).copy()
