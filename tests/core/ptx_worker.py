@@ -55,6 +55,8 @@ def cases():
                                                             lambda: rope.forward_plan(q, k, cos, cos, head_axis=2)),
                                               {"q": q, "k": k, "cos": cos, "sin": cos}),
         "kl_div": (kl_div.forward_plan(logits, logits, reduction="sum"), {"input": logits, "target": logits}),
+        "kl_div with gradient": (kl_div.forward_plan(logits, logits, reduction="sum", compute_grad=True),
+                                 {"input": logits, "target": logits}),
         # compiled to check they build for sm_90 (their vectorisation is not asserted)
         "layer_norm backward": (layer_norm.backward_plan(x, x, w, w, num_sms=132),
                                 {"dy": x, "x": x, "weight": w, "bias": w, "mean": rows, "rstd": rows}),
