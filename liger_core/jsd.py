@@ -43,7 +43,7 @@ import triton.language as tl
 from . import cross_entropy as ce
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, check_float, check_int, check_nonempty, check_same_shape,
-    collapse_rows, next_power_of_2, promote, sweep_block_and_warps, warps_for,
+    collapse_rows, next_power_of_2, promote, sweep_block_and_warps,
 )
 from .reduce import sum_partials_launch
 from .tl_math import aligned, cast

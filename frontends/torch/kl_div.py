@@ -1,9 +1,9 @@
 """KL divergence for torch: autograd wiring around :mod:`liger_core.kl_div`.
 
 Eager, a loss reduced to a scalar gets its gradient in the forward's sweep (when ``input`` requires grad and
-``grad_in_forward``, the default) and the backward scales it in place. Under ``torch.compile`` the custom ops keep the separate backward from the target:
-a custom op may not scale a saved tensor in place, and scaling into a fresh buffer moves more bytes (read the
-gradient, write it) than reading the target again.
+``grad_in_forward``, the default) and the backward scales it in place. Under ``torch.compile`` the custom ops
+keep the separate backward from the target: a custom op may not scale a saved tensor in place, and scaling into
+a fresh buffer moves more bytes (read the gradient, write it) than reading the target again.
 """
 
 from __future__ import annotations
