@@ -158,21 +158,30 @@ def train_adamw(model, stream, steps):
 def test_convergence_adamw(family, device, seed):
     """20 AdamW steps on a fixed synthetic batch stream: per-step losses and final parameters match."""
     def train(model):
-        start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        return train_adamw(model, stream, 20), dict(model.named_parameters()), start
+        return train_adamw(model, stream, 20), {n: p.detach().double() for n, p in model.named_parameters()}
 
     stream = [batch(seed + i, device, batch_size=1, seq=8) for i in range(2)]  # a cycle it can learn
-    ref_losses, ref_params, start = train(build(family, seed, device))
+    base = build(family, seed, device)
+    start = {n: p.detach().double() for n, p in base.named_parameters()}
+    ref_losses, ref_params = train(copy.deepcopy(base))
+    _, truth = train(copy.deepcopy(base).double())
     with liger_kernel_patched(family):
-        losses, params, _ = train(build(family, seed, device))
+        patched = build(family, seed, device)
+        patched.load_state_dict(base.state_dict())
+        losses, params = train(patched)
     assert losses[-1] < losses[0] - 0.3  # it learns
     assert_close(losses, ref_losses, F32, "per-step losses", scale=10)
     # AdamW divides by sqrt(v): where a gradient element is rounding-sized its update is lr * (noise sign), so
-    # single elements may differ by ~lr between two correct runs (seen on CI). Compare each tensor's training
-    # update as a whole instead: measured drift is <= 1e-4 of the update's norm; a wrong gradient gives ~1.
-    for n in ref_params:
-        drift = (params[n] - ref_params[n]).norm() / (ref_params[n] - start[n]).norm()
-        assert drift <= 2e-3, f"final {n}: differs by {drift.item():.2e} of its training update"
+    # two correct fp32 runs drift apart, by 1e-5 of a tensor's training update for most seeds and by 1e-3 for
+    # some (the unpatched fp32 run against a float64 run of the same steps: seen on CI). Each tensor's distance
+    # from the float64 run is bounded by 2e-3 of its update, or by 10 times the unpatched fp32 run's own
+    # distance where this seed's training amplifies rounding that much; a wrong gradient gives ~1.
+    for n in truth:
+        update = (truth[n] - start[n]).norm()
+        drift, fp32_drift = (params[n] - truth[n]).norm() / update, (ref_params[n] - truth[n]).norm() / update
+        assert drift <= max(2e-3, 10 * fp32_drift), (
+            f"final {n}: {drift.item():.2e} of its training update from the float64 run (unpatched fp32: "
+            f"{fp32_drift.item():.2e})")
 
 
 @pytest.mark.gpu
