@@ -202,7 +202,12 @@ def main():
         except BaseException as e:  # saved for the test to show, then re-raised (non-zero exit)
             torch.save({"rank": rank, "stack": stack, "error": f"{type(e).__name__}: {e}"}, path)
             traceback.print_exc()
-            sys.exit(1)
+            # Exit without the interpreter's teardown: destroying a gloo group whose peer is gone can abort the
+            # process from gloo's own thread ("terminate called without an active exception", exit -6, seen on
+            # CI) after the error was already reported.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         dist.barrier()
     dist.destroy_process_group()
 
