@@ -69,12 +69,16 @@ def _forward_op(options: tuple, has_weight: bool, compute_grad: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_op(reduction: str):
+def scale_grad_op(reduction: str, pointwise: bool = False):
+    """``grad * g`` written over ``grad``: the backward of a loss whose forward computed its gradient (CE, JSD,
+    KL). ``g`` is a scalar, or one value per row for ``none``. ``pointwise``: every axis of ``grad`` is a row
+    axis (KL's terms, whose class axis may stay sharded); else the last is the class axis."""
     def backward(grad, g, shards=None):
         plan = core.backward_plan(info(grad), info(g), reduction=reduction, in_place=True)
         return run_plan(plan, grad=grad, grad_output=g)
 
-    rule = rows_rule((ROWS, ROWS if reduction == "none" else WHOLE), (ROWS,))
+    n_rows = {"n_rows": lambda shapes: len(shapes[0])} if pointwise else {}
+    rule = rows_rule((ROWS, ROWS if reduction == "none" else WHOLE), (ROWS,), **n_rows)
     return _mapped_over_batch(partitioned(backward, rule), 1)
 
 
@@ -96,7 +100,7 @@ def _cross_entropy_fwd(logits, labels, weight, options):
 
 def _cross_entropy_bwd(options, grad, cotangent):
     g = cotangent[0] if options[-1] else cotangent  # the z_loss output is for logging: its cotangent is dropped
-    (dlogits,) = _backward_op(options[1])(grad, g.astype(grad.dtype))
+    (dlogits,) = scale_grad_op(options[1])(grad, g.astype(grad.dtype))
     return dlogits, None, None
 
 

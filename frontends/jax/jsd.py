@@ -18,7 +18,7 @@ from liger_core import jsd as core
 
 from ._launch import as_array, info, run_plan
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
-from .cross_entropy import _mapped_over_batch, sum_over_shards
+from .cross_entropy import _mapped_over_batch, scale_grad_op, sum_over_shards
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,14 +45,6 @@ def _forward_op(beta: float, ignore_index: int, has_labels: bool, compute_grad: 
     return _mapped_over_batch(partitioned(forward, rule), 1 + int(compute_grad))
 
 
-@functools.lru_cache(maxsize=None)
-def _backward_op():
-    def backward(grad, g, shards=None):
-        return run_plan(core.backward_plan(info(grad), info(g), in_place=True), grad=grad, grad_output=g)
-
-    return _mapped_over_batch(partitioned(backward, rows_rule((ROWS, WHOLE), (ROWS,))), 1)
-
-
 def _label_args(labels):
     return () if labels is None else (labels,)
 
@@ -68,7 +60,7 @@ def _jsd_fwd(student, teacher, labels, beta, ignore_index):
 
 
 def _jsd_bwd(beta, ignore_index, grad, g):
-    (dstudent,) = _backward_op()(grad, g.astype(grad.dtype))
+    (dstudent,) = scale_grad_op("mean")(grad, g.astype(grad.dtype))
     return dstudent, None, None  # the teacher is a constant: zero cotangent
 
 

@@ -20,7 +20,7 @@ from liger_core.launch import ArrayInfo
 
 from ._launch import as_array, info, run_plan
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
-from .cross_entropy import _mapped_over_batch, sum_over_shards
+from .cross_entropy import _mapped_over_batch, scale_grad_op, sum_over_shards
 
 # Pointwise terms: every axis is a row axis.
 _POINTWISE = dict(n_rows=lambda shapes: len(shapes[0]))
@@ -49,14 +49,6 @@ def _forward_op(reduction: str, log_target: bool, compute_grad: bool = False):
     rule = rows_rule((ROWS, ROWS), (ROWS if reduction == "none" else WHOLE, ROWS)[:1 + int(compute_grad)],
                      **_POINTWISE)
     return _mapped_over_batch(partitioned(forward, rule), 1 + int(compute_grad))
-
-
-@functools.lru_cache(maxsize=None)
-def _scale_op():
-    def scale(grad, g, shards=None):
-        return run_plan(core.scale_grad_plan(info(grad), info(g), in_place=True), grad=grad, grad_output=g)
-
-    return _mapped_over_batch(partitioned(scale, rows_rule((ROWS, WHOLE), (ROWS,), **_POINTWISE)), 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +83,7 @@ def _kl_div_fwd(x, target, reduction, log_target, grad_in_forward):
 def _kl_div_bwd(reduction, log_target, grad_in_forward, residuals, g):
     if grad_in_forward and reduction != "none":
         (grad,) = residuals
-        (dx,) = _scale_op()(grad, g.astype(grad.dtype))
+        (dx,) = scale_grad_op("mean", pointwise=True)(grad, g.astype(grad.dtype))
         return dx, None
     target, dtype_of_x = residuals
     (dx,) = _backward_op(reduction, log_target, tuple(target.shape), dtype_of_x.dtype.name)(g, target)
