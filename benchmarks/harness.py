@@ -780,19 +780,18 @@ def chained_jax_runner(fn, sets):
                 [[x for i, x in enumerate(ls) if i not in donated] for ls in leaf_sets])
 
     def chained_for(donated):
-        order = sorted(donated)
+        slot = {i: k for k, i in enumerate(sorted(donated))}  # leaf position -> its list in the donated part
 
         def chained(donated_by_position, kept_sets):
-            columns, previous = None, ()
+            calls, previous = [], ()
             for c, kept in enumerate(kept_sets):
                 kept = iter(kept)
-                leaves = [donated_by_position[order.index(i)][c] if i in donated else next(kept)
-                          for i in range(n_leaves)]
+                leaves = [donated_by_position[slot[i]][c] if i in slot else next(kept) for i in range(n_leaves)]
                 previous, leaves = jax.lax.optimization_barrier((previous, leaves))
                 previous = fn(*jax.tree.unflatten(treedef, leaves))
                 outs, out_treedef[:] = jax.tree.flatten(previous)[0], [jax.tree.structure(previous)]
-                columns = [[o] for o in outs] if columns is None else [col + [o] for col, o in zip(columns, outs)]
-            return columns
+                calls.append(outs)
+            return [list(column) for column in zip(*calls)]  # output by output
         return chained
 
     lowered_by = {}
@@ -817,7 +816,7 @@ def chained_jax_runner(fn, sets):
         return compiled(pool.pop() if donated else donated_leaves, kept_sets)
 
     def per_call(columns):
-        return [jax.tree.unflatten(out_treedef[0], [col[c] for col in columns]) for c in range(n_calls)]
+        return [jax.tree.unflatten(out_treedef[0], list(call)) for call in zip(*columns)]
 
     def one_call(*leaves):
         return fn(*jax.tree.unflatten(treedef, leaves))
