@@ -13,7 +13,8 @@ from helpers import assert_parity, as_numpy, to_torch
 @pytest.mark.parametrize("reduction", ["none", "sum", "batchmean"])
 @pytest.mark.parametrize("log_target", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kl_div_parity(reduction, log_target, dtype, device, seed):
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_kl_div_parity(reduction, log_target, dtype, grad_in_forward, device, seed):
     rng = np.random.default_rng(seed)
     shape = (5, 259)
     x = np.asarray(jax.nn.log_softmax(rng.standard_normal(shape), -1), jnp.dtype(dtype))
@@ -21,9 +22,10 @@ def test_kl_div_parity(reduction, log_target, dtype, device, seed):
     t = np.asarray(jax.nn.log_softmax(t, -1) if log_target else jax.nn.softmax(t, -1), jnp.dtype(dtype))
     g = np.asarray(rng.standard_normal(shape) if reduction == "none" else 0.7, jnp.dtype(dtype))
     xt = to_torch(x, device).requires_grad_(True)
-    loss_t = liger_torch.kl_div(xt, to_torch(t, device), reduction, log_target)
+    loss_t = liger_torch.kl_div(xt, to_torch(t, device), reduction, log_target, grad_in_forward=grad_in_forward)
     loss_t.backward(to_torch(g, device))
-    f = lambda a: liger_jax.kl_div(a, jnp.asarray(t), reduction=reduction, log_target=log_target)
+    f = lambda a: liger_jax.kl_div(a, jnp.asarray(t), reduction=reduction, log_target=log_target,
+                                   grad_in_forward=grad_in_forward)
     loss_j, vjp = jax.vjp(jax.jit(f), jnp.asarray(x))
     (dx_j,) = vjp(jnp.asarray(g))
     assert_parity(as_numpy(loss_t), np.asarray(loss_j), "loss")
