@@ -328,7 +328,7 @@ def _cross_entropy_split_kernel(
     n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
     PARTS_IN,
     LOSS, Z_LOSS, GRAD, SYNC, PARTS,
-    SEG: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, SYNC_MODE: tl.constexpr,
+    SEG: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, SYNC_MODE: tl.constexpr, RELOAD: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
@@ -345,6 +345,9 @@ def _cross_entropy_split_kernel(
     programs on the GPU at once, SPLIT <= 32 here). Tickets also make the assignment independent of the order
     in which the hardware starts programs; the results do not depend on it (the statistics are combined in
     segment order).
+
+    RELOAD reads the segment again after the wait instead of holding it in registers through it: fewer registers,
+    more programs in flight, and the second read comes from L2.
 
     SYNC_MODE 1 (publish) and 2 (finish, reading the statistics from PARTS_IN and the logits again) are the same
     work in two launches, for the interpreter."""
@@ -374,7 +377,7 @@ def _cross_entropy_split_kernel(
         parts = PARTS_IN + row * (SPLIT * 8)  # _PARTS slots per segment
     else:
         parts = PARTS + row * (SPLIT * 8)
-    x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if SYNC_MODE != 2:
         _publish_segment_stats(x, cols, mask, softcap, W, w_stride, parts + seg * 8, HAS_SOFTCAP, HAS_SMOOTHING,
                                HAS_WEIGHT)
@@ -387,6 +390,9 @@ def _cross_entropy_split_kernel(
         count = tl.atomic_add(SYNC + 1 + row, 1, sem="release") + 1
         while count < SPLIT:
             count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
+        if RELOAD:  # read again (from L2: the row's programs read it microseconds ago) instead of holding it
+            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0, eviction_policy="evict_first").to(
+                tl.float32)
     if SYNC_MODE != 1:
         lse, sum_z, sum_wz, sum_w = _combine_segment_stats(parts, SPLIT, SPLIT_P2, HAS_SMOOTHING, HAS_WEIGHT)
         x_t = tl.load(parts + 5, volatile=True)
@@ -519,11 +525,13 @@ def denominators_launch(target: ArrayInfo, weight: ArrayInfo | None, n_classes: 
     )
 
 
-# The split kernel (one read of the logits, a row over several programs) for rows of at least this many
-# columns, SPLIT_SEGMENT columns a program; shorter rows, and the interpreter unless asked, take the two-pass
-# kernel. At most _MAX_SPLIT programs a row: they must fit on the GPU at once.
+# The split kernel (one read of the logits, a row over several programs), when SPLIT_BY_DEFAULT, for rows of at
+# least SPLIT_MIN_COLS columns, SPLIT_SEGMENT columns a program; shorter rows, and the interpreter unless asked,
+# take the two-pass kernel. At most _MAX_SPLIT programs a row: they must fit on the GPU at once.
+SPLIT_BY_DEFAULT = False  # not yet measured faster than the two-pass kernel (scripts/tune_ce_split.py)
 SPLIT_MIN_COLS = 16384
 SPLIT_SEGMENT, _SPLIT_WARPS_PER_4K = 8192, 4
+SPLIT_RELOAD = False
 _MAX_SPLIT = 32
 
 
@@ -533,7 +541,7 @@ def split_segment(n_cols: int, row_split: int | None) -> int | None:
     ``row_split``: None chooses (the split kernel on a GPU from SPLIT_MIN_COLS columns), 0 never splits, a
     power of two forces that segment size (tests; in the interpreter it runs as two launches)."""
     if row_split is None:
-        if runtime.interpreting() or n_cols < SPLIT_MIN_COLS:
+        if not SPLIT_BY_DEFAULT or runtime.interpreting() or n_cols < SPLIT_MIN_COLS:
             return None
         segment = SPLIT_SEGMENT
         while cdiv(n_cols, segment) > _MAX_SPLIT:
@@ -603,7 +611,8 @@ def rows_launches(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None
 def _split_launches(args, outputs, flags, n_rows: int, n_cols: int, segment: int) -> tuple[Launch, ...]:
     """The split kernel: one launch on a GPU; publish then finish in the interpreter."""
     n_split = cdiv(n_cols, segment)
-    constexprs = {"SEG": segment, "SPLIT": n_split, "SPLIT_P2": next_power_of_2(n_split), **flags}
+    constexprs = {"SEG": segment, "SPLIT": n_split, "SPLIT_P2": next_power_of_2(n_split), "RELOAD": SPLIT_RELOAD,
+                  **flags}
     grid = (n_rows * n_split,)
     warps = max(1, min(16, segment // 4096 * _SPLIT_WARPS_PER_4K))
     parts = NewBuffer("ce_parts", (n_rows * n_split * _PARTS,), "float32")
