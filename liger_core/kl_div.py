@@ -7,10 +7,19 @@ probabilities (or log-probabilities with ``log_target``); pointwise
 reduced by ``none`` (pointwise, input's shape), ``sum``, ``mean`` (over all elements) or ``batchmean`` (sum
 divided by ``input.shape[0]``, the mathematically correct KL for a batch of distributions).
 
-Forward: one program per row sums the pointwise terms in fp32 over blocks of the last axis (or writes them, for
-``none``); the per-row sums are added in a fixed order (:mod:`liger_core.reduce`). The gradient is
-``d input = -target * scale * grad`` (``-exp(target)`` with ``log_target``). Only ``input`` is differentiated:
-the target (a teacher's distribution, in distillation) gets no gradient.
+Forward: a grid of rows x column chunks, each program one chunk of one row (:data:`FORWARD_CHUNK` columns in
+steps of 2048), writing the pointwise terms (``none``) or the chunk's fp32 sum; the chunks' sums, then the rows',
+are added in a fixed order (:mod:`liger_core.reduce`), so the loss is the same bits run to run. More programs
+than rows keep more loads in flight than one program sweeping each row: on the H200 (bf16, ``log_target``,
+batchmean, L2 flushed) the forward writing the gradient takes 1.521 ms at 8192 x 128256 (97% of copy bandwidth)
+against 1.558 ms for one program per row, 0.396 against 0.408 at 8192 x 32000, 0.391 against 0.400 at
+2048 x 128256 (benchmarks/results/h200-2026-12-04-tune_kl_div_chunks.txt). Most of the rest of the gap between
+the torch forward+backward (1.722 ms before) and XLA's fused 1.549 is not here: the backward's scale by an
+incoming gradient of exactly 1, masked off in :func:`scale_grad_plan`'s kernel, still launches 8192 x 32 programs
+(0.162 ms).
+
+The gradient is ``d input = -target * scale * grad`` (``-exp(target)`` with ``log_target``). Only ``input`` is
+differentiated: the target (a teacher's distribution, in distillation) gets no gradient.
 
 For the reductions to a scalar the forward can write ``-target * scale`` in the same sweep (``compute_grad``):
 the backward is then a scale by the incoming gradient, skipped where it is 1 (:func:`scale_grad_plan`), and a
@@ -36,27 +45,35 @@ from .reduce import sum_partials_launch
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 _BACKWARD_BLOCK = 4096  # elements per program of the (elementwise) backward
+# Columns per program of the forward, swept in steps of 2048 at 8 warps (sweep_block_and_warps). H200, bf16
+# 8192 x 128256, forward writing the gradient (ms; one program per row 1.558 with log_target, 1.845 without):
+# chunks of 4096 / 16384 / 32768 take 1.541 / 1.521 / 1.519 with log_target and 2.088 / 1.903 / 1.863 without
+# it, where a log per element makes the kernel partly compute-bound and a sum per few thousand columns costs
+# (benchmarks/results/h200-2026-12-04-tune_kl_div_chunks.txt). 16384 is also the best at 8192 x 32000.
+FORWARD_CHUNK = 16384
 
 
 @triton.jit
 def _kl_div_forward_kernel(
     X, x_row_stride, x_col_stride,
     Y, y_row_stride, y_col_stride,
-    n_cols, scale, grad_scale,
+    n_rows, n_cols, scale, grad_scale,
     OUT, GRAD,
-    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, ELEMENTWISE: tl.constexpr, HAS_GRAD: tl.constexpr,
-    ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, LOG_TARGET: tl.constexpr, ELEMENTWISE: tl.constexpr,
+    HAS_GRAD: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Per row: the sum of the pointwise terms times ``scale`` (or the terms, ``ELEMENTWISE``); with ``HAS_GRAD``
-    also ``GRAD = -p * grad_scale`` (dense rows), p the target's probabilities."""
+    """Program (row, chunk) takes columns ``chunk * CHUNK ...`` of its row in steps of ``BLOCK``: writes their
+    pointwise terms (``ELEMENTWISE``) or their sum times ``scale`` to ``OUT[chunk, row]`` (fp32, chunk-major: the
+    order the partials are summed in); with ``HAS_GRAD`` also ``GRAD = -p * grad_scale`` (dense rows), p the
+    target's probabilities."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     y_row_stride = aligned(y_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     row = tl.program_id(0).to(tl.int64)
-    offsets = tl.arange(0, BLOCK)
+    chunk = tl.program_id(1)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offsets
+    for start in range(0, CHUNK, BLOCK):
+        cols = chunk * CHUNK + start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(X + row * x_row_stride + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(Y + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
@@ -74,7 +91,7 @@ def _kl_div_forward_kernel(
         else:
             acc += loss
     if not ELEMENTWISE:
-        tl.store(OUT + row, tl.sum(acc, axis=0) * scale)
+        tl.store(OUT + chunk.to(tl.int64) * n_rows + row, tl.sum(acc, axis=0) * scale)
 
 
 @triton.jit
@@ -130,56 +147,81 @@ def output_dtype(x: ArrayInfo, target: ArrayInfo) -> str:
     return promote(x.dtype, target.dtype)
 
 
-def _forward_launch(x: ArrayInfo, target: ArrayInfo, reduction: str, log_target: bool, x_name: str,
-                    target_name: str, grad_scale: float | None) -> Launch:
-    """The per-row kernel: ``loss`` (``none``) or fp32 ``loss_rows``; ``grad`` too unless ``grad_scale`` is None."""
+def _forward_launches(x: ArrayInfo, target: ArrayInfo, reduction: str, log_target: bool, x_name: str,
+                      target_name: str, grad_scale: float | None, chunk: int | None) -> tuple[Launch, ...]:
+    """The rows x chunks kernel, writing ``loss`` (``none``) or fp32 ``loss_rows``, then ``grad`` too unless
+    ``grad_scale`` is None. Over several chunks it writes their sums ``loss_parts`` (chunks, rows), and a second
+    launch adds them up per row."""
     n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, x_name)
     _, _, y_row_stride, y_col_stride = _rows(target, target_name)
-    block, warps = sweep_block_and_warps(n_cols)
+    chunk = _forward_chunk(n_cols, chunk)
+    step, warps = sweep_block_and_warps(chunk)
+    n_chunks = cdiv(n_cols, chunk)
     elementwise = reduction == "none"
-    out = NewBuffer("loss" if elementwise else "loss_rows", x.shape if elementwise else (n_rows,),
-                    output_dtype(x, target) if elementwise else "float32")
+    if elementwise:
+        out = NewBuffer("loss", x.shape, output_dtype(x, target))
+    elif n_chunks == 1:  # the chunks' sums are the rows'
+        out = NewBuffer("loss_rows", (n_rows,), "float32")
+    else:
+        out = NewBuffer("loss_parts", (n_chunks, n_rows), "float32")
     has_grad = grad_scale is not None
     grad = NewBuffer("grad", x.shape, x.dtype) if has_grad else NewBuffer("grad_unused", (1,), x.dtype)
-    return Launch(
+    main = Launch(
         kernel=_kl_div_forward_kernel,
-        grid=(n_rows,),
+        grid=(n_rows, n_chunks),
         args=(Buf("input"), x_row_stride, x_col_stride, Buf("target"), y_row_stride, y_col_stride,
-              n_cols, _scale(x, reduction), float(grad_scale) if has_grad else 0.0),
+              n_rows, n_cols, _scale(x, reduction), float(grad_scale) if has_grad else 0.0),
         outputs=(out, grad),
-        constexprs={"BLOCK": block, "LOG_TARGET": bool(log_target), "ELEMENTWISE": elementwise,
+        constexprs={"BLOCK": step, "CHUNK": chunk, "LOG_TARGET": bool(log_target), "ELEMENTWISE": elementwise,
                     "HAS_GRAD": has_grad},
         num_warps=warps,
     )
+    if elementwise or n_chunks == 1:
+        return (main,)
+    # chunk-major partials: the sum's grid runs over rows (a row-major layout would put one program per row on
+    # the grid's second axis, limited to 65535)
+    return (main, sum_partials_launch("loss_parts", "loss_rows", 1, n_chunks, n_rows, "float32"))
+
+
+def _forward_chunk(n_cols: int, chunk: int | None) -> int:
+    """Columns per program: ``chunk`` (a power of two; None for :data:`FORWARD_CHUNK`), no more than the row."""
+    if chunk is None:
+        chunk = FORWARD_CHUNK
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    return min(chunk, next_power_of_2(n_cols))
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", log_target: bool = False,
-                 x_name: str = "input", target_name: str = "target", compute_grad: bool = False) -> Plan:
+                 x_name: str = "input", target_name: str = "target", compute_grad: bool = False,
+                 chunk: int | None = None) -> Plan:
     """Plan for the loss: inputs ``input``, ``target``; output ``loss`` (input's shape for none, else ()), then
     with ``compute_grad`` (not for ``none``) ``grad``, d loss / d input for an incoming gradient of 1 (input's
-    shape and dtype; :func:`scale_grad_plan` applies the real one)."""
+    shape and dtype; :func:`scale_grad_plan` applies the real one). ``chunk``: columns per program (a power of
+    two, for tuning and tests; None for :data:`FORWARD_CHUNK`)."""
     check_inputs(x, target, reduction, x_name, target_name)
     if compute_grad and reduction == "none":
         raise ValueError("compute_grad needs a reduction to a scalar; reduction='none' uses backward_plan")
-    main = _forward_launch(x, target, reduction, log_target, x_name, target_name,
-                           _scale(x, reduction) if compute_grad else None)
+    launches = _forward_launches(x, target, reduction, log_target, x_name, target_name,
+                                 _scale(x, reduction) if compute_grad else None, chunk)
     if reduction == "none":
-        return Plan(inputs=("input", "target"), launches=(main,), outputs=("loss",))
-    total = sum_partials_launch("loss_rows", "loss", 1, main.grid[0], 1, output_dtype(x, target), out_shape=())
-    return Plan(inputs=("input", "target"), launches=(main, total),
+        return Plan(inputs=("input", "target"), launches=launches, outputs=("loss",))
+    n_rows = launches[0].grid[0]
+    total = sum_partials_launch("loss_rows", "loss", 1, n_rows, 1, output_dtype(x, target), out_shape=())
+    return Plan(inputs=("input", "target"), launches=launches + (total,),
                 outputs=("loss", "grad") if compute_grad else ("loss",))
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def row_sums_plan(x: ArrayInfo, target: ArrayInfo, *, log_target: bool = False,
-                  grad_scale: float | None = None) -> Plan:
+                  grad_scale: float | None = None, chunk: int | None = None) -> Plan:
     """The ``sum`` forward up to its fp32 per-row sums ``loss_rows`` (for a row-sharded loss whose shards add
     them up themselves), then ``grad = -target * grad_scale`` unless ``grad_scale`` is None (the global
-    reduction's divisor: a shard's own size is not the loss's)."""
+    reduction's divisor: a shard's own size is not the loss's). ``chunk`` as :func:`forward_plan`'s."""
     check_inputs(x, target, "sum")
-    launch = _forward_launch(x, target, "sum", log_target, "input", "target", grad_scale)
-    return Plan(inputs=("input", "target"), launches=(launch,),
+    launches = _forward_launches(x, target, "sum", log_target, "input", "target", grad_scale, chunk)
+    return Plan(inputs=("input", "target"), launches=launches,
                 outputs=("loss_rows", "grad") if grad_scale is not None else ("loss_rows",))
 
 

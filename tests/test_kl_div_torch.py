@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 import liger_torch
 from helpers import assert_close
+from liger_core import kl_div
+from liger_torch._launch import info, run_plan
 
 REDUCTIONS = ["none", "sum", "mean", "batchmean"]
 
@@ -57,6 +59,34 @@ def test_vocab_over_several_blocks_and_module(device, seed):
     ref.backward()
     assert_close(loss, ref, torch.float32, "loss")
     assert_close(xa.grad * 3, xr.grad * 3, torch.float32, "dinput")
+
+
+@pytest.mark.parametrize("plan_kind", ["none", "batchmean with grad", "row sums with grad"])
+def test_forward_over_several_column_chunks(plan_kind, device, seed):
+    """The forward's grid is rows x column chunks: with chunks of 4096 columns (two steps of 2048) a row of 5000
+    spans 2 programs, the second one partial (its second step all masked). Outputs start as NaN (poisoned), so a
+    chunk or step left unwritten or unsummed shows up as NaN."""
+    x, t, _ = draw(seed, (2, 3, 5000), torch.float32, False, device=device)
+    x_info, t_info = info(x), info(t)
+    if plan_kind == "row sums with grad":
+        plan = kl_div.row_sums_plan(x_info, t_info, grad_scale=0.25, chunk=4096)
+    else:
+        reduction = plan_kind.split()[0]
+        plan = kl_div.forward_plan(x_info, t_info, reduction=reduction, compute_grad=reduction != "none",
+                                   chunk=4096)
+    assert plan.launches[0].grid == (6, 2) and plan.launches[0].constexprs["BLOCK"] == 2048
+    loss, *grad = run_plan(plan, input=x, target=t)
+    pointwise = F.kl_div(x.double(), t.double(), reduction="none")
+    if plan_kind == "none":
+        assert_close(loss, pointwise, torch.float32, "loss")
+        return
+    # sums over many elements: widen the bound with sqrt(elements summed)
+    if plan_kind == "row sums with grad":  # a shard's per-row sums; the gradient scaled by the global divisor
+        ref, grad_scale, widen = pointwise.sum(-1).flatten(), 0.25, 5000 ** 0.5
+    else:
+        ref, grad_scale, widen = pointwise.sum() / 2, 0.5, x.numel() ** 0.5  # batchmean: x.shape[0] == 2
+    assert_close(loss, ref, torch.float32, "loss", scale=widen)
+    assert_close(grad[0], -t.double() * grad_scale, torch.float32, "grad")
 
 
 def test_non_contiguous_and_expanded_grad(device, seed):
