@@ -44,6 +44,8 @@ INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # Targets one program reads per step when counting the non-ignored rows.
 _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
+# Programs of the scale by one scalar: a few per SM of any current GPU, each striding over many tiles.
+_SCALE_PROGRAMS = 1024
 
 
 @triton.jit
@@ -441,6 +443,33 @@ def _scale_rows_kernel(
     tl.store(OUT + offs, cast(v * g, OUT.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_by_scalar_kernel(
+    GRAD, row_stride, col_stride,
+    G,
+    n_rows, n_cols, blocks_per_row,
+    OUT,
+    BLOCK: tl.constexpr, IN_PLACE: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """OUT = GRAD * G[0] (one scalar: mean and sum), a fixed number of programs striding over the (row, column
+    block) tiles. In place, an incoming gradient of exactly 1 (``loss.backward()``) returns at once: the backward
+    is then one launch of a few hundred programs that read one scalar (a masked grid of one program per tile
+    still cost 0.162 ms at 8192 x 128256: results/h200-2026-12-04-tune_kl_div_chunks.txt)."""
+    row_stride = aligned(row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    g = tl.load(G).to(tl.float32)
+    if IN_PLACE:
+        if g == 1.0:
+            return
+    for tile in range(tl.program_id(0), n_rows * blocks_per_row, tl.num_programs(0)):
+        row = (tile // blocks_per_row).to(tl.int64)
+        cols = (tile % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        offs = row * row_stride + cols * col_stride
+        v = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, cast(v * g, OUT.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Validation
 
@@ -750,12 +779,23 @@ def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in
         if (row_stride, col_stride) != (n_cols, 1):
             raise ValueError("grad must be dense to scale it into a fresh buffer")
     block = min(_SCALE_BLOCK, next_power_of_2(n_cols))
-    launch = Launch(
-        kernel=_scale_rows_kernel,
-        grid=(n_rows, cdiv(n_cols, block)),
-        args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), g_stride, n_cols),
-        outputs=(out,),
-        constexprs={"BLOCK": block, "IN_PLACE": in_place},
-        num_warps=warps_for(block, max_warps=8),
-    )
+    if g_stride == 0:
+        tiles = n_rows * cdiv(n_cols, block)
+        launch = Launch(
+            kernel=_scale_by_scalar_kernel,
+            grid=(min(tiles, _SCALE_PROGRAMS),),
+            args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), n_rows, n_cols, cdiv(n_cols, block)),
+            outputs=(out,),
+            constexprs={"BLOCK": block, "IN_PLACE": in_place},
+            num_warps=warps_for(block, max_warps=8),
+        )
+    else:
+        launch = Launch(
+            kernel=_scale_rows_kernel,
+            grid=(n_rows, cdiv(n_cols, block)),
+            args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), g_stride, n_cols),
+            outputs=(out,),
+            constexprs={"BLOCK": block, "IN_PLACE": in_place},
+            num_warps=warps_for(block, max_warps=8),
+        )
     return Plan(inputs=("grad", "grad_output"), launches=(launch,), outputs=("dlogits",))

@@ -388,3 +388,22 @@ def test_split_row_kernel_is_chosen_for_long_rows_on_a_gpu_only_when_enabled():
             core.split_segment(1000, bad)
     with pytest.raises(ValueError, match="more than"):
         core.split_segment(100000, 16)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("g", [0.7, 1.0])
+def test_scale_by_a_scalar_strides_over_more_tiles_than_programs(in_place, g, device, seed):
+    """The mean/sum backward's scale: a fixed number of programs, each over several (row, block) tiles; exact in
+    fp32 (one multiplication), every element written (out of place into a fresh buffer), skipped in place at 1."""
+    from liger_core import cross_entropy as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.randn(core._SCALE_PROGRAMS + 77, 20, generator=gen).to(device)
+    g_t = torch.tensor(g, device=device)
+    plan = core.backward_plan(info(grad), info(g_t), reduction="mean", in_place=in_place)
+    assert plan.launches[0].grid[0] == core._SCALE_PROGRAMS
+    work = grad.clone()
+    (out,) = run_plan(plan, grad=work, grad_output=g_t)
+    assert (out.data_ptr() == work.data_ptr()) == in_place
+    assert torch.equal(out, grad * g)
