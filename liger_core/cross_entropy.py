@@ -30,7 +30,6 @@ import functools
 import triton
 import triton.language as tl
 
-from . import runtime
 from .tl_math import aligned, cast, tanh
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, cdiv, check_float, check_int, check_nonempty,
@@ -226,7 +225,10 @@ def _cross_entropy_kernel(
 ):
     """The loss (and gradient) of one row per program, reading the row twice; an ignored row gets a zero loss
     and a zero gradient. (A persistent grid looping over rows, its gradient sweep run backwards for L2 reuse, was
-    slower at every block size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt.)"""
+    slower at every block size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt. A row
+    split over up to 32 programs that exchange their softmax statistics inside the kernel and read the logits
+    once was 1.5x slower, the segments held through the exchange leaving too few bytes in flight per SM:
+    results/h200-2026-12-04-tune_ce_split.txt, commit cfe49f6.)"""
     x_row_stride = aligned(x_row_stride, ALIGN)
     grad_row_stride = aligned(grad_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
@@ -263,155 +265,6 @@ def _cross_entropy_kernel(
             cols = start + offsets
             mask = cols < n_cols
             x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-            grad = _grad_block(x, cols, mask, lse, a, b, c, t_safe, valid, softcap, W, w_stride, HAS_SOFTCAP,
-                               HAS_SMOOTHING, HAS_WEIGHT)
-            tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask)
-
-
-# The split kernel's stages (SYNC_MODE): on a GPU one launch whose programs wait for each other; in the
-# interpreter (which runs programs one after another, so a wait would never end) two launches.
-SYNC_IN_KERNEL, PUBLISH_ONLY, FINISH_ONLY = 0, 1, 2
-# fp32 slots per (row, segment) of the partials buffer: max, sum of exp, sum x, sum w x, sum w, and (segment 0)
-# the target's logit
-_PARTS = 8
-
-
-@triton.jit
-def _publish_segment_stats(x, cols, mask, softcap, W, w_stride, slot, HAS_SOFTCAP: tl.constexpr,
-                           HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """slot[0..4] = (max, sum of exp(x - max), sum x, sum w x, sum w) of one segment of raw logits ``x``. The max
-    is floored at -3e38 so that an all -inf segment sums exp(-inf) = 0, not NaN."""
-    if HAS_SOFTCAP:
-        x = softcap * tanh(x / softcap)
-    z = tl.where(mask, x, float("-inf"))
-    m = tl.maximum(tl.max(z, axis=0), -3.0e38)
-    tl.store(slot, m)
-    tl.store(slot + 1, tl.sum(tl.exp(z - m), axis=0))
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            w = tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
-            tl.store(slot + 3, tl.sum(tl.where(mask, w * x, 0.0), axis=0))
-            tl.store(slot + 4, tl.sum(w, axis=0))
-        else:
-            tl.store(slot + 2, tl.sum(tl.where(mask, x, 0.0), axis=0))
-
-
-@triton.jit
-def _combine_segment_stats(parts, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                           HAS_WEIGHT: tl.constexpr):
-    """(logsumexp, sum x, sum w x, sum w) of a row from its SPLIT segments' statistics, in segment order
-    (volatile loads: other programs wrote them while this one ran)."""
-    present = tl.arange(0, SPLIT_P2) < SPLIT
-    segs = tl.arange(0, SPLIT_P2) * 8
-    m = tl.load(parts + segs, mask=present, other=-3.0e38, volatile=True)
-    d = tl.load(parts + segs + 1, mask=present, other=0.0, volatile=True)
-    m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(d * tl.exp(m - m_row), axis=0))
-    sum_z = 0.0
-    sum_wz = 0.0
-    sum_w = 0.0
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            sum_wz = tl.sum(tl.load(parts + segs + 3, mask=present, other=0.0, volatile=True), axis=0)
-            sum_w = tl.sum(tl.load(parts + segs + 4, mask=present, other=0.0, volatile=True), axis=0)
-        else:
-            sum_z = tl.sum(tl.load(parts + segs + 2, mask=present, other=0.0, volatile=True), axis=0)
-    return lse, sum_z, sum_wz, sum_w
-
-
-@triton.jit
-def _cross_entropy_split_kernel(
-    X, x_row_stride, x_col_stride,
-    T, t_stride,
-    W, w_stride,
-    DENOM,
-    G, g_stride,
-    grad_row_stride, grad_col_stride,
-    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
-    PARTS_IN,
-    LOSS, Z_LOSS, GRAD, SYNC, PARTS,
-    SEG: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, SYNC_MODE: tl.constexpr, RELOAD: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """A row split over SPLIT programs of SEG columns each, read once: each program loads its segment into
-    registers, publishes its softmax statistics (PARTS[row, segment]), waits until the row's SPLIT programs have
-    published (an arrival count per row, SYNC[1 + row]), combines them into the row's logsumexp and writes the
-    gradient of its segment from the registers. The logits are read once instead of twice: three N x V passes
-    become two.
-
-    Waiting for other programs inside a kernel needs them to be running: a program takes its (row, segment)
-    from a ticket (SYNC[0]) when it starts, so the tickets of running programs are always the lowest ones, and
-    the programs of the earliest unfinished row are all running or can start (this needs room for SPLIT
-    programs on the GPU at once, SPLIT <= 32 here). Tickets also make the assignment independent of the order
-    in which the hardware starts programs; the results do not depend on it (the statistics are combined in
-    segment order).
-
-    RELOAD reads the segment again after the wait instead of holding it in registers through it: fewer registers,
-    more programs in flight, and the second read comes from L2.
-
-    SYNC_MODE 1 (publish) and 2 (finish, reading the statistics from PARTS_IN and the logits again) are the same
-    work in two launches, for the interpreter."""
-    x_row_stride = aligned(x_row_stride, ALIGN)
-    grad_row_stride = aligned(grad_row_stride, ALIGN)
-    n_cols = aligned(n_cols, ALIGN)
-    if SYNC_MODE == 0:
-        ticket = tl.atomic_add(SYNC, 1, sem="relaxed").to(tl.int64)
-    else:
-        ticket = tl.program_id(0).to(tl.int64)
-    row = ticket // SPLIT
-    seg = ticket % SPLIT
-    t = tl.load(T + row * t_stride).to(tl.int64)
-    grad_row = GRAD + row * grad_row_stride
-    cols = seg * SEG + tl.arange(0, SEG)
-    mask = cols < n_cols
-    if t == ignore_index:  # every program of the row sees it: none of them waits
-        if SYNC_MODE != 1:
-            _store_ignored_row(row, cols, n_cols, grad_row, grad_col_stride, LOSS, Z_LOSS, seg == 0, HAS_GRAD,
-                               RETURN_Z)
-        return
-
-    x_row = X + row * x_row_stride
-    valid = (t >= 0) & (t < n_cols)
-    t_safe = tl.where(valid, t, 0)
-    if SYNC_MODE == 2:
-        parts = PARTS_IN + row * (SPLIT * 8)  # _PARTS slots per segment
-    else:
-        parts = PARTS + row * (SPLIT * 8)
-    x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    if SYNC_MODE != 2:
-        _publish_segment_stats(x, cols, mask, softcap, W, w_stride, parts + seg * 8, HAS_SOFTCAP, HAS_SMOOTHING,
-                               HAS_WEIGHT)
-        if seg == 0:  # the target's logit, read before any program of the row writes its gradient in place
-            x_t, w_t = _target_logit(x_row, x_col_stride, t_safe, softcap, W, w_stride, HAS_SOFTCAP, HAS_WEIGHT)
-            tl.store(parts + 5, x_t)
-    if SYNC_MODE == 0:
-        # Release: the statistics (stored by any of the program's threads, hence the barrier) before the count.
-        tl.debug_barrier()
-        count = tl.atomic_add(SYNC + 1 + row, 1, sem="release") + 1
-        while count < SPLIT:
-            count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
-        if RELOAD:  # read again (from L2: the row's programs read it microseconds ago) instead of holding it
-            x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0, eviction_policy="evict_first").to(
-                tl.float32)
-    if SYNC_MODE != 1:
-        lse, sum_z, sum_wz, sum_w = _combine_segment_stats(parts, SPLIT, SPLIT_P2, HAS_SMOOTHING, HAS_WEIGHT)
-        x_t = tl.load(parts + 5, volatile=True)
-        if HAS_WEIGHT:
-            w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
-        else:
-            w_t = 1.0
-        loss, z_loss, a, b, c = _row_loss(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols,
-                                          label_smoothing, lse_square_scale, MEAN, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z)
-        if seg == 0:
-            tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
-            if RETURN_Z:
-                tl.store(Z_LOSS + row, z_loss.to(Z_LOSS.dtype.element_ty))
-        if HAS_GRAD:
-            if HAS_GRAD_SCALE:
-                g = tl.load(G + row * g_stride).to(tl.float32)
-                a, b, c = a * g, b * g, c * g
             grad = _grad_block(x, cols, mask, lse, a, b, c, t_safe, valid, softcap, W, w_stride, HAS_SOFTCAP,
                                HAS_SMOOTHING, HAS_WEIGHT)
             tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask)
@@ -554,46 +407,12 @@ def denominators_launch(target: ArrayInfo, weight: ArrayInfo | None, n_classes: 
     )
 
 
-# The split kernel (one read of the logits, a row over several programs), when SPLIT_BY_DEFAULT, for rows of at
-# least SPLIT_MIN_COLS columns, SPLIT_SEGMENT columns a program; shorter rows, and the interpreter unless asked,
-# take the two-pass kernel. At most _MAX_SPLIT programs a row: they must fit on the GPU at once.
-SPLIT_BY_DEFAULT = False  # not yet measured faster than the two-pass kernel (scripts/tune_ce_split.py)
-SPLIT_MIN_COLS = 16384
-SPLIT_SEGMENT, _SPLIT_WARPS_PER_4K = 8192, 4
-SPLIT_RELOAD = False
-_MAX_SPLIT = 32
-
-
-def split_segment(n_cols: int, row_split: int | None) -> int | None:
-    """Columns per program of the split kernel for rows of ``n_cols`` (None: the two-pass kernel).
-
-    ``row_split``: None chooses (the split kernel on a GPU from SPLIT_MIN_COLS columns), 0 never splits, a
-    power of two forces that segment size (tests; in the interpreter it runs as two launches)."""
-    if row_split is None:
-        if not SPLIT_BY_DEFAULT or runtime.interpreting() or n_cols < SPLIT_MIN_COLS:
-            return None
-        segment = SPLIT_SEGMENT
-        while cdiv(n_cols, segment) > _MAX_SPLIT:
-            segment *= 2
-        return segment
-    row_split = check_int(row_split, "row_split")
-    if row_split == 0:
-        return None
-    if row_split < 16 or row_split & (row_split - 1):
-        raise ValueError(f"row_split must be 0, None or a power of two >= 16, got {row_split}")
-    if cdiv(n_cols, row_split) > _MAX_SPLIT:
-        raise ValueError(f"row_split={row_split} splits a row of {n_cols} columns into more than {_MAX_SPLIT} "
-                         "programs")
-    return row_split
-
-
-def rows_launches(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
-                  reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
-                  return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
-                  grad_scale: ArrayInfo | None = None, row_split: int | None = None) -> tuple[Launch, ...]:
+def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
+                reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+                return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
+                grad_scale: ArrayInfo | None = None) -> Launch:
     """The per-row kernel: outputs ``loss_rows`` (already divided by the mean's denominators; needs the
-    ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``). One
-    launch, or two for the split kernel in the interpreter (:func:`split_segment`)."""
+    ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``)."""
     n_rows, n_cols, row_stride, col_stride = row_view(logits, "logits")
     has_weight = weight is not None
     mean = reduction == "mean"
@@ -629,38 +448,9 @@ def rows_launches(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None
              "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
              "HAS_GRAD_SCALE": grad_scale is not None}
     outputs = (NewBuffer("loss_rows", tuple(loss_shape), loss_dtype), z_out, grad)
-    segment = split_segment(n_cols, row_split)
-    if segment is None:
-        bv, warps = sweep_block_and_warps(n_cols)
-        return (Launch(kernel=_cross_entropy_kernel, grid=(n_rows,), args=args, outputs=outputs,
-                       constexprs={"BLOCK_V": bv, **flags}, num_warps=warps),)
-    return _split_launches(args, outputs, flags, n_rows, n_cols, segment)
-
-
-def _split_launches(args, outputs, flags, n_rows: int, n_cols: int, segment: int) -> tuple[Launch, ...]:
-    """The split kernel: one launch on a GPU; publish then finish in the interpreter."""
-    n_split = cdiv(n_cols, segment)
-    constexprs = {"SEG": segment, "SPLIT": n_split, "SPLIT_P2": next_power_of_2(n_split), "RELOAD": SPLIT_RELOAD,
-                  **flags}
-    grid = (n_rows * n_split,)
-    warps = max(1, min(16, segment // 4096 * _SPLIT_WARPS_PER_4K))
-    parts = NewBuffer("ce_parts", (n_rows * n_split * _PARTS,), "float32")
-    if not runtime.interpreting():
-        sync = NewBuffer("ce_sync", (1 + n_rows,), "int32", zeroed=True)
-        return (Launch(kernel=_cross_entropy_split_kernel, grid=grid, args=args + (Buf("target"),),
-                       outputs=outputs + (sync, parts), constexprs={"SYNC_MODE": SYNC_IN_KERNEL, **constexprs},
-                       num_warps=warps),)
-    publish = Launch(
-        kernel=_cross_entropy_split_kernel, grid=grid, args=args + (Buf("target"),),
-        outputs=(NewBuffer("ce_loss_unused", (1,), "float32"), NewBuffer("ce_z_unused", (1,), "float32"),
-                 NewBuffer("ce_grad_unused", (1,), "float32"), NewBuffer("ce_sync_unused", (1,), "int32"), parts),
-        constexprs={"SYNC_MODE": PUBLISH_ONLY, **constexprs}, num_warps=warps)
-    finish = Launch(
-        kernel=_cross_entropy_split_kernel, grid=grid, args=args + (Buf("ce_parts"),),
-        outputs=outputs + (NewBuffer("ce_sync_unused2", (1,), "int32"),
-                           NewBuffer("ce_parts_unused", (1,), "float32")),
-        constexprs={"SYNC_MODE": FINISH_ONLY, **constexprs}, num_warps=warps)
-    return publish, finish
+    bv, warps = sweep_block_and_warps(n_cols)
+    return Launch(kernel=_cross_entropy_kernel, grid=(n_rows,), args=args, outputs=outputs,
+                  constexprs={"BLOCK_V": bv, **flags}, num_warps=warps)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
@@ -668,8 +458,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                  compute_grad: bool = True, in_place: bool = False, logits_name: str = "logits",
-                 target_name: str = "target", weight_name: str = "weight", given_denom: bool = False,
-                 row_split: int | None = None) -> Plan:
+                 target_name: str = "target", weight_name: str = "weight", given_denom: bool = False) -> Plan:
     """Plan for the loss (and its gradient) of logits ``(..., V)`` against integer ``target`` ``(...)``.
 
     Inputs ``logits``, ``target`` (and ``weight``; and ``denom`` from :func:`denominators_plan` with
@@ -678,7 +467,6 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     for none; logits' dtype), then ``z_loss`` with ``return_z_loss``, then ``grad`` (d loss / d logits, for an
     incoming gradient of 1; logits' dtype) with ``compute_grad``, written over the logits with ``in_place``
     when they are dense. ``*_name`` are the arguments' names in the caller's API, for error messages.
-    ``row_split``: see :func:`split_segment`.
     """
     check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                   lse_square_scale=lse_square_scale, softcap=softcap)
@@ -690,11 +478,10 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     if reduction == "mean" and not given_denom:
         launches.append(denominators_launch(target, weight, n_classes, ignore_index))
     rows_dtype, rows_shape = (logits.dtype, target.shape) if reduction == "none" else ("float32", (n_rows,))
-    launches.extend(rows_launches(
+    launches.append(rows_launch(
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape,
-        row_split=row_split))
+        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape))
     outputs = ["loss_rows"]
     if return_z_loss:
         outputs.append("z_rows")
@@ -724,17 +511,16 @@ def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: in
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
-               return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None,
-               row_split: int | None = None) -> Plan:
+               return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None) -> Plan:
     """One chunk of rows of a larger loss (fused linear cross-entropy): fp32 per-row ``loss_rows`` (and
     ``z_rows``), already divided by the whole batch's denominators (input ``denom`` for ``mean``, from
     :func:`denominators_plan`), and ``grad`` written over the chunk's logits. With ``grad_scale`` (one value per
     row, input ``grad_scale``) the gradient is multiplied by it (reduction='none' backward)."""
-    launches = rows_launches(
+    launch = rows_launch(
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
         compute_grad=compute_grad, in_place=True, loss_dtype="float32", loss_shape=(target.numel,),
-        grad_scale=grad_scale, row_split=row_split)
+        grad_scale=grad_scale)
     inputs = ["logits", "target"]
     if weight is not None:
         inputs.append("weight")
@@ -743,7 +529,7 @@ def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *
     if grad_scale is not None:
         inputs.append("grad_scale")
     outputs = ["loss_rows"] + (["z_rows"] if return_z_loss else []) + (["grad"] if compute_grad else [])
-    return Plan(inputs=tuple(inputs), launches=launches, outputs=tuple(outputs))
+    return Plan(inputs=tuple(inputs), launches=(launch,), outputs=tuple(outputs))
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments

@@ -196,26 +196,3 @@ def test_bad_label_raises_eagerly_and_is_nan_under_jit(seed):
 def test_bad_input(logits, labels, kwargs, error, match):
     with pytest.raises(error, match=match):
         liger_jax.cross_entropy(logits, labels, **kwargs)
-
-
-@pytest.mark.parametrize("row_split,v", [(16, 123), (256, 1000)])
-@pytest.mark.parametrize("option", ["plain", "everything"])
-def test_split_row_kernel(row_split, v, option, seed):
-    """The one-read split-row kernel through jax's executor (its zero-filled arrival counts on a GPU), the
-    gradient written over the logits, against float64."""
-    from liger_core import cross_entropy as core
-    from liger_jax._launch import info, run_plan
-
-    logits, labels, weight, _ = draw(seed, (7,), v, jnp.float32)
-    labels = labels.at[0].set(-100).at[1].set(v - 1)
-    opts = _opts(option, weight)
-    w = opts.pop("weight", None)
-    plan = core.forward_plan(info(logits), info(labels), info(w) if w is not None else None, in_place=True,
-                             row_split=row_split, **opts)
-    loss, grad = jax.jit(lambda x: run_plan(plan, logits=x, target=labels,
-                                            **({"weight": w} if w is not None else {})))(logits)
-    with x64():
-        loss_ref, grad_ref = jax.value_and_grad(
-            lambda x: reference(x, labels, weight=w, **opts)[0])(np.asarray(logits, np.float64))
-    assert_close(loss, loss_ref, jnp.float32, "loss")
-    assert_close(grad * 7, grad_ref * 7, jnp.float32, "dlogits")

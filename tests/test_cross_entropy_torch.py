@@ -346,50 +346,6 @@ def test_target_check_reads_its_count_after_the_loss_kernels_are_queued(fn, monk
     assert events.index(kernel) < events.index("item"), events
 
 
-@pytest.mark.parametrize("row_split,v", [(16, 123), (64, 1000), (256, 1000)])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("option", ["plain", "weight_smoothing", "everything"])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_split_row_kernel(row_split, v, reduction, option, in_place, device, seed):
-    """The one-read kernel that splits each row over several programs (on a GPU they wait for each other inside
-    the kernel; interpreted, it runs as two launches), against float64, with ignored rows and the row max and the
-    target in different segments. In place, an element the kernel missed would keep its logit."""
-    from liger_core import cross_entropy as core
-    from liger_torch._launch import info, run_plan
-
-    x, t, w, gen = draw(seed, 7, v, torch.float32, device=device)
-    t[0], t[1] = -100, v - 1
-    x[1, 0] = 30.0  # row 1: the max in the first segment, the target in the last
-    opts = dict(OPTIONS[option])
-    weight = w if opts.pop("weight", False) else None
-    plan = core.forward_plan(info(x), info(t), info(weight) if weight is not None else None, reduction=reduction,
-                             in_place=in_place, row_split=row_split, **opts)
-    assert any("split" in launch.kernel.fn.__name__ for launch in plan.launches)
-    logits = x.clone()
-    inputs = {"logits": logits, "target": t} | ({"weight": weight} if weight is not None else {})
-    loss, grad = run_plan(plan, **inputs)
-    (loss_ref, _), grad_ref = run(lambda a, b: reference(a, b, weight=weight, reduction=reduction, **opts), x, t,
-                                  torch.ones((), dtype=torch.float64, device=device) if reduction == "mean"
-                                  else torch.ones(7, dtype=torch.float64, device=device))
-    assert (grad.data_ptr() == logits.data_ptr()) == in_place
-    assert_close(loss, loss_ref, torch.float32, "loss")
-    assert_close(grad * 7, grad_ref * 7, torch.float32, "dlogits")
-
-
-def test_split_row_kernel_is_chosen_for_long_rows_on_a_gpu_only_when_enabled():
-    from liger_core import cross_entropy as core
-
-    long_row = core.split_segment(128256, None)
-    assert (long_row is None) == (liger_core.INTERPRET or not core.SPLIT_BY_DEFAULT)
-    assert core.split_segment(core.SPLIT_MIN_COLS - 1, None) is None
-    assert core.split_segment(128256, 0) is None
-    for bad in (3, 24, 8):
-        with pytest.raises(ValueError, match="row_split"):
-            core.split_segment(1000, bad)
-    with pytest.raises(ValueError, match="more than"):
-        core.split_segment(100000, 16)
-
-
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("g", [0.7, 1.0])
 def test_scale_by_a_scalar_strides_over_more_tiles_than_programs(in_place, g, device, seed):

@@ -48,8 +48,6 @@ def cases():
                             {"dc": a, "a": a, "b": a}),
         "cross_entropy": (cross_entropy.forward_plan(logits, target, reduction="sum"),
                           {"logits": logits, "target": target}),
-        "cross_entropy split rows": (cross_entropy.forward_plan(logits, target, reduction="sum", row_split=8192),
-                                     {"logits": logits, "target": target}),
         "rope, one head group per program": (_with_setting(rope, "_GROUPS_PER_PROGRAM", 1,
                                                            lambda: rope.forward_plan(q, k, cos, cos, head_axis=2)),
                                              {"q": q, "k": k, "cos": cos, "sin": cos}),

@@ -25,7 +25,7 @@ def compile_all(tmp_path, *flags):
 
 VECTORISED = {"rms_norm forward", "rms_norm backward", "layer_norm forward", "swiglu forward", "swiglu backward",
               "cross_entropy", "rope, one head group per program", "rope, all head groups per program",
-              "kl_div", "kl_div with gradient", "cross_entropy split rows"}
+              "kl_div", "kl_div with gradient"}
 
 
 def test_row_kernels_use_16_byte_accesses_under_jax_triton_specialisation(tmp_path):
