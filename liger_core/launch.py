@@ -228,11 +228,12 @@ def warps_for(elements: int, max_warps: int = 16) -> int:
     return max(1, min(max_warps, warps))
 
 
-# A row sweep (a program walking one long row block by block: the CE, JSD and KL losses) holds 2048 elements per
-# step at 8 warps, 8 per thread. GPU sweep on the H200 (bf16, 8192x128256, scripts/tune_row_kernels.py,
-# benchmarks/results/h200-2026-12-03-tune_row_kernels.txt): CE loss+grad 1.615 ms against 1.709 at 4096/8 and
-# 1.698 at 8192/16; JSD loss+grad 1.864 against 1.964 at 4096/8; KL forward 1.477 against 1.576 at 4096/8.
-# Small blocks with many warps keep more loads in flight per SM than a few large blocks.
+# A row sweep (a program walking a row, or the KL forward's 16384-column chunk of one, block by block: the CE, JSD
+# and KL losses) holds 2048 elements per step at 8 warps, 8 per thread. GPU sweep on the H200 (bf16, 8192x128256,
+# scripts/tune_row_kernels.py, benchmarks/results/h200-2026-12-03-tune_row_kernels.txt): CE loss+grad 1.615 ms
+# against 1.709 at 4096/8 and 1.698 at 8192/16; JSD loss+grad 1.864 against 1.964 at 4096/8; the KL forward's
+# chunks: h200-2026-12-04-tune_kl_div_chunks.txt. Small blocks with many warps keep more loads in flight per SM
+# than a few large blocks.
 _SWEEP_BLOCK = 2048
 
 
