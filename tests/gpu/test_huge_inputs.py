@@ -152,6 +152,23 @@ def test_cross_entropy_past_2_31_elements():
     assert_close(mean, rows_none[kept].sum() / kept.sum(), BF16, "mean over all rows")
 
 
+def test_scale_by_a_scalar_past_2_31_elements():
+    """The mean/sum backward's scale (a fixed number of programs striding over the tiles) reaches every element
+    past 2**31, exactly (one fp32 multiplication of a bf16 value by 0.5 is exact)."""
+    from liger_core import cross_entropy as core
+    from liger_torch._launch import info, run_plan
+
+    need_gib(12)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    grad = torch.randn(CE_N, CE_V, generator=gen, device="cuda", dtype=BF16)
+    assert grad.numel() > LIMIT
+    expected = grad * 0.5
+    g = torch.tensor(0.5, device="cuda", dtype=BF16)
+    (out,) = run_plan(core.backward_plan(info(grad), info(g), reduction="mean"), grad=grad, grad_output=g)
+    assert out.data_ptr() == grad.data_ptr()
+    assert torch.equal(out, expected)
+
+
 # ---------------------------------------------------------------------------- fused linear cross-entropy
 FL_H = 256
 
