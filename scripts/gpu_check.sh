@@ -5,6 +5,8 @@
 #   for scripts/profile_e2e.py with profile; with script: a script and its args, e.g.
 #   script scripts/tune_norm_backward.py --out "$OUT/tune_norm_backward.txt"]
 # Logs and results land in $OUT (the device tool brings them back) and benchmarks/results/.
+# tests: LIGER_TESTS (paths, default tests), PYTEST_K (a -k expression, spaces allowed), PYTEST_ARGS (plain
+# words only: it is split on spaces), TEST_WORKERS, TEST_TIME_LIMIT.
 #   e.g. scripts/gpu_check.sh bench --quick --kernels rms_norm layer_norm fused_add_rms_norm rope swiglu
 #        scripts/gpu_check.sh bench --quick --kernels e2e --match "e2e hf"     (then --match "e2e flax")
 set -uo pipefail
@@ -23,7 +25,7 @@ python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton
 status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout "${TEST_TIME_LIMIT:-540}" python3 -m pytest -q -n "${TEST_WORKERS:-4}" -p no:cacheprovider --durations=25 \
-    ${PYTEST_ARGS:-} ${LIGER_TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -60
+    ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} ${LIGER_TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -60
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
