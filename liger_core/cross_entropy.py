@@ -43,7 +43,7 @@ INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # Targets one program reads per step when counting the non-ignored rows.
 _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
-# Programs of the scale by one scalar: a few per SM of any current GPU, each striding over many tiles.
+# Programs of the backward's scale: a few per SM of any current GPU, each striding over many tiles.
 _SCALE_PROGRAMS = 1024
 
 
@@ -126,21 +126,53 @@ def row_softmax_stats(row_ptr, col_stride, n_cols, scale, softcap, W, w_stride, 
 
 
 @triton.jit
-def _store_ignored_row(row, cols, n_cols, grad_row, grad_col_stride, LOSS, Z_LOSS, WRITE_LOSS, HAS_GRAD: tl.constexpr,
-                       RETURN_Z: tl.constexpr):
-    """An ignored row: a zero gradient over ``cols`` and (with WRITE_LOSS) a zero loss."""
-    if HAS_GRAD:
-        tl.store(grad_row + cols * grad_col_stride, tl.zeros_like(cols).to(grad_row.dtype.element_ty), mask=cols < n_cols)
-    if WRITE_LOSS:
-        tl.store(LOSS + row, tl.zeros([], dtype=tl.float32).to(LOSS.dtype.element_ty))
+def _cross_entropy_kernel(
+    X, x_row_stride, x_col_stride,
+    T, t_stride,
+    W, w_stride,
+    DENOM,
+    G, g_stride,
+    grad_row_stride, grad_col_stride,
+    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
+    LOSS, Z_LOSS, GRAD,
+    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """The loss (and gradient) of one row per program; an ignored row gets a zero loss and a zero gradient. (A
+    persistent grid looping over rows, its gradient sweep run backwards for L2 reuse, was slower at every block
+    size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt. A row split over up to 32 programs
+    that exchange their softmax statistics inside the kernel, reading the logits once, was 1.5x slower: the
+    segments held through the exchange leave too few bytes in flight per SM; results/h200-2026-12-04-tune_ce_split
+    .txt, commit cfe49f6.)"""
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    grad_row_stride = aligned(grad_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(T + row * t_stride).to(tl.int64)
+    if t == ignore_index:
+        zero = t.to(tl.float32) * 0.0
+        if HAS_GRAD:
+            grad_row = GRAD + row * grad_row_stride
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                tl.store(grad_row + cols * grad_col_stride,
+                         tl.zeros([BLOCK_V], dtype=tl.float32).to(GRAD.dtype.element_ty), mask=cols < n_cols)
+        tl.store(LOSS + row, zero.to(LOSS.dtype.element_ty))
         if RETURN_Z:
-            tl.store(Z_LOSS + row, tl.zeros([], dtype=tl.float32).to(Z_LOSS.dtype.element_ty))
+            tl.store(Z_LOSS + row, zero.to(Z_LOSS.dtype.element_ty))
+        return
 
+    x_row = X + row * x_row_stride
+    grad_row = GRAD + row * grad_row_stride
+    offsets = tl.arange(0, BLOCK_V)
+    valid = (t >= 0) & (t < n_cols)
+    t_safe = tl.where(valid, t, 0)
 
-@triton.jit
-def _target_logit(x_row, x_col_stride, t_safe, softcap, W, w_stride, HAS_SOFTCAP: tl.constexpr,
-                  HAS_WEIGHT: tl.constexpr):
-    """(the target's logit through the softcap, the target's class weight), fp32."""
+    # Sweep 1: online softmax statistics, and the sums label smoothing needs.
+    lse, sum_z, sum_wz, sum_w = row_softmax_stats(x_row, x_col_stride, n_cols, 1.0, softcap, W, w_stride, BLOCK_V,
+                                                  HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
+
     x_t = tl.load(x_row + t_safe * x_col_stride).to(tl.float32)
     if HAS_SOFTCAP:
         x_t = softcap * tanh(x_t / softcap)
@@ -148,14 +180,6 @@ def _target_logit(x_row, x_col_stride, t_safe, softcap, W, w_stride, HAS_SOFTCAP
         w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
     else:
         w_t = 1.0
-    return x_t, w_t
-
-
-@triton.jit
-def _row_loss(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols, label_smoothing, lse_square_scale,
-              MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z: tl.constexpr):
-    """A row's (loss, z_loss) (NaN for an invalid target) and the coefficients (a, b, c) of its gradient
-    ``a * softmax - b * onehot(t) - c * w``, all for an incoming gradient of 1."""
     if MEAN:
         denom_w = tl.load(DENOM)
         denom_n = tl.load(DENOM + 1)
@@ -176,97 +200,44 @@ def _row_loss(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols, label_s
     if HAS_Z:
         loss += z_loss
     loss = tl.where(valid, loss, float("nan"))
-    z_loss = tl.where(valid, z_loss, float("nan"))
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            a = ((1.0 - eps) * w_t + eps / n_cols * sum_w) * ce_scale
-        else:
-            a = ce_scale * 1.0
-    else:
-        a = w_t * ce_scale
-    if HAS_Z:
-        a += 2.0 * lse_square_scale * lse * z_scale
-    b = (1.0 - eps) * w_t * ce_scale
-    c = eps / n_cols * ce_scale
-    return loss, z_loss, a, b, c
-
-
-@triton.jit
-def _grad_block(x, cols, mask, lse, a, b, c, t_safe, valid, softcap, W, w_stride, HAS_SOFTCAP: tl.constexpr,
-                HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """d loss / d logits over a block of raw fp32 logits ``x`` (before the softcap)."""
-    if HAS_SOFTCAP:
-        th = tanh(x / softcap)
-        x = softcap * th
-    grad = tl.exp(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
-        else:
-            grad -= c
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - th * th)
-    return tl.where(valid, grad, float("nan"))
-
-
-@triton.jit
-def _cross_entropy_kernel(
-    X, x_row_stride, x_col_stride,
-    T, t_stride,
-    W, w_stride,
-    DENOM,
-    G, g_stride,
-    grad_row_stride, grad_col_stride,
-    n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
-    LOSS, Z_LOSS, GRAD,
-    BLOCK_V: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """The loss (and gradient) of one row per program, reading the row twice; an ignored row gets a zero loss
-    and a zero gradient. (A persistent grid looping over rows, its gradient sweep run backwards for L2 reuse, was
-    slower at every block size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt. A row
-    split over up to 32 programs that exchange their softmax statistics inside the kernel and read the logits
-    once was 1.5x slower, the segments held through the exchange leaving too few bytes in flight per SM:
-    results/h200-2026-12-04-tune_ce_split.txt, commit cfe49f6.)"""
-    x_row_stride = aligned(x_row_stride, ALIGN)
-    grad_row_stride = aligned(grad_row_stride, ALIGN)
-    n_cols = aligned(n_cols, ALIGN)
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.load(T + row * t_stride).to(tl.int64)
-    grad_row = GRAD + row * grad_row_stride
-    offsets = tl.arange(0, BLOCK_V)
-    if t == ignore_index:
-        for start in range(0, n_cols, BLOCK_V):
-            _store_ignored_row(row, start + offsets, n_cols, grad_row, grad_col_stride, LOSS, Z_LOSS, start == 0,
-                               HAS_GRAD, RETURN_Z)
-        return
-
-    x_row = X + row * x_row_stride
-    valid = (t >= 0) & (t < n_cols)
-    t_safe = tl.where(valid, t, 0)
-
-    # Sweep 1: online softmax statistics, and the sums label smoothing needs.
-    lse, sum_z, sum_wz, sum_w = row_softmax_stats(x_row, x_col_stride, n_cols, 1.0, softcap, W, w_stride, BLOCK_V,
-                                                  HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
-    x_t, w_t = _target_logit(x_row, x_col_stride, t_safe, softcap, W, w_stride, HAS_SOFTCAP, HAS_WEIGHT)
-    loss, z_loss, a, b, c = _row_loss(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols, label_smoothing,
-                                      lse_square_scale, MEAN, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z)
     tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
     if RETURN_Z:
-        tl.store(Z_LOSS + row, z_loss.to(Z_LOSS.dtype.element_ty))
+        tl.store(Z_LOSS + row, tl.where(valid, z_loss, float("nan")).to(Z_LOSS.dtype.element_ty))
 
-    # Sweep 2: the gradient, read again from the logits.
+    # Sweep 2: d loss / d logits = a * softmax - b * onehot(t) - c * w (times 1 - tanh^2 with a softcap).
     if HAS_GRAD:
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                a = ((1.0 - eps) * w_t + eps / n_cols * sum_w) * ce_scale
+            else:
+                a = ce_scale * 1.0
+        else:
+            a = w_t * ce_scale
+        if HAS_Z:
+            a += 2.0 * lse_square_scale * lse * z_scale
+        b = (1.0 - eps) * w_t * ce_scale
+        c = eps / n_cols * ce_scale
         if HAS_GRAD_SCALE:
             g = tl.load(G + row * g_stride).to(tl.float32)
-            a, b, c = a * g, b * g, c * g
+            a = a * g
+            b = b * g
+            c = c * g
         for start in range(0, n_cols, BLOCK_V):
             cols = start + offsets
             mask = cols < n_cols
             x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-            grad = _grad_block(x, cols, mask, lse, a, b, c, t_safe, valid, softcap, W, w_stride, HAS_SOFTCAP,
-                               HAS_SMOOTHING, HAS_WEIGHT)
+            if HAS_SOFTCAP:
+                th = tanh(x / softcap)
+                x = softcap * th
+            grad = tl.exp(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
+            if HAS_SMOOTHING:
+                if HAS_WEIGHT:
+                    grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    grad -= c
+            if HAS_SOFTCAP:
+                grad = grad * (1.0 - th * th)
+            grad = tl.where(valid, grad, float("nan"))
             tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask)
 
 
@@ -274,50 +245,30 @@ def _cross_entropy_kernel(
 def _scale_rows_kernel(
     GRAD, row_stride, col_stride,
     G, g_stride,
-    n_cols,
-    OUT,
-    BLOCK: tl.constexpr, IN_PLACE: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """OUT[r, :] = GRAD[r, :] * G[r * g_stride] (g_stride 0: one scalar); OUT may be GRAD itself (IN_PLACE).
-
-    In place, a row whose incoming gradient is exactly 1 (``loss.backward()`` of a mean or sum) is already
-    right: its loads and stores are masked off, so that common backward moves no bytes."""
-    row_stride = aligned(row_stride, ALIGN)
-    n_cols = aligned(n_cols, ALIGN)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(G + row * g_stride).to(tl.float32)
-    if IN_PLACE:
-        mask = cols < tl.where(g != 1.0, n_cols, 0)
-    else:
-        mask = cols < n_cols
-    offs = row * row_stride + cols * col_stride
-    v = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, cast(v * g, OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _scale_by_scalar_kernel(
-    GRAD, row_stride, col_stride,
-    G,
     n_rows, n_cols, blocks_per_row,
     OUT,
     BLOCK: tl.constexpr, IN_PLACE: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """OUT = GRAD * G[0] (one scalar: mean and sum), a fixed number of programs striding over the (row, column
-    block) tiles. In place, an incoming gradient of exactly 1 (``loss.backward()``) returns at once: the backward
-    is then one launch of a few hundred programs that read one scalar (a masked grid of one program per tile
-    still cost 0.162 ms at 8192 x 128256: results/h200-2026-12-04-tune_kl_div_chunks.txt)."""
+    """OUT[r, :] = GRAD[r, :] * G[r * g_stride] (g_stride 0: one scalar), a fixed number of programs striding over
+    the (row, column block) tiles; OUT may be GRAD itself (IN_PLACE).
+
+    In place, a row whose incoming gradient is exactly 1 is already right: its tiles move no bytes, and with one
+    scalar of 1 (``loss.backward()`` of a mean or sum) every program returns at once. (A grid of one masked
+    program per tile still cost 0.162 ms at 8192 x 128256: results/h200-2026-12-04-tune_kl_div_chunks.txt.)"""
     row_stride = aligned(row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    g = tl.load(G).to(tl.float32)
     if IN_PLACE:
-        if g == 1.0:
-            return
+        if g_stride == 0:
+            if tl.load(G).to(tl.float32) == 1.0:
+                return
     for tile in range(tl.program_id(0), n_rows * blocks_per_row, tl.num_programs(0)):
         row = (tile // blocks_per_row).to(tl.int64)
         cols = (tile % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
+        g = tl.load(G + row * g_stride).to(tl.float32)
+        if IN_PLACE:
+            mask = cols < tl.where(g != 1.0, n_cols, 0)
+        else:
+            mask = cols < n_cols
         offs = row * row_stride + cols * col_stride
         v = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + offs, cast(v * g, OUT.dtype.element_ty), mask=mask)
@@ -433,24 +384,27 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         if grad_scale.numel != n_rows:
             raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
         g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
-    args = (Buf("logits"), row_stride, col_stride,
-            Buf("target"), target_stride(target),
-            # unused pointers point at the targets, never at the logits: an array passed twice to a launch
-            # that writes over it would make XLA copy it
-            Buf("weight" if has_weight else "target"), weight.strides[0] if has_weight else 0,
-            Buf("denom" if mean else "target"),
-            Buf("grad_scale" if grad_scale is not None else "target"), g_stride if grad_scale is not None else 0,
-            grad_row_stride, grad_col_stride,
-            n_cols, int(ignore_index), float(label_smoothing), float(lse_square_scale),
-            float(softcap) if softcap is not None else 1.0)
-    flags = {"HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
-             "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
-             "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
-             "HAS_GRAD_SCALE": grad_scale is not None}
-    outputs = (NewBuffer("loss_rows", tuple(loss_shape), loss_dtype), z_out, grad)
     bv, warps = sweep_block_and_warps(n_cols)
-    return Launch(kernel=_cross_entropy_kernel, grid=(n_rows,), args=args, outputs=outputs,
-                  constexprs={"BLOCK_V": bv, **flags}, num_warps=warps)
+    return Launch(
+        kernel=_cross_entropy_kernel,
+        grid=(n_rows,),
+        args=(Buf("logits"), row_stride, col_stride,
+              Buf("target"), target_stride(target),
+              # unused pointers point at the targets, never at the logits: an array passed twice to a launch
+              # that writes over it would make XLA copy it
+              Buf("weight" if has_weight else "target"), weight.strides[0] if has_weight else 0,
+              Buf("denom" if mean else "target"),
+              Buf("grad_scale" if grad_scale is not None else "target"), g_stride if grad_scale is not None else 0,
+              grad_row_stride, grad_col_stride,
+              n_cols, int(ignore_index), float(label_smoothing), float(lse_square_scale),
+              float(softcap) if softcap is not None else 1.0),
+        outputs=(NewBuffer("loss_rows", tuple(loss_shape), loss_dtype), z_out, grad),
+        constexprs={"BLOCK_V": bv, "HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
+                    "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
+                    "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
+                    "HAS_GRAD_SCALE": grad_scale is not None},
+        num_warps=warps,
+    )
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
@@ -565,23 +519,13 @@ def backward_plan(grad: ArrayInfo, grad_output: ArrayInfo, *, reduction: str, in
         if (row_stride, col_stride) != (n_cols, 1):
             raise ValueError("grad must be dense to scale it into a fresh buffer")
     block = min(_SCALE_BLOCK, next_power_of_2(n_cols))
-    if g_stride == 0:
-        tiles = n_rows * cdiv(n_cols, block)
-        launch = Launch(
-            kernel=_scale_by_scalar_kernel,
-            grid=(min(tiles, _SCALE_PROGRAMS),),
-            args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), n_rows, n_cols, cdiv(n_cols, block)),
-            outputs=(out,),
-            constexprs={"BLOCK": block, "IN_PLACE": in_place},
-            num_warps=warps_for(block, max_warps=8),
-        )
-    else:
-        launch = Launch(
-            kernel=_scale_rows_kernel,
-            grid=(n_rows, cdiv(n_cols, block)),
-            args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), g_stride, n_cols),
-            outputs=(out,),
-            constexprs={"BLOCK": block, "IN_PLACE": in_place},
-            num_warps=warps_for(block, max_warps=8),
-        )
+    tiles = n_rows * cdiv(n_cols, block)
+    launch = Launch(
+        kernel=_scale_rows_kernel,
+        grid=(min(tiles, _SCALE_PROGRAMS),),
+        args=(Buf("grad"), row_stride, col_stride, Buf("grad_output"), g_stride, n_rows, n_cols, cdiv(n_cols, block)),
+        outputs=(out,),
+        constexprs={"BLOCK": block, "IN_PLACE": in_place},
+        num_warps=warps_for(block, max_warps=8),
+    )
     return Plan(inputs=("grad", "grad_output"), launches=(launch,), outputs=("dlogits",))

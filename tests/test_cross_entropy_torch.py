@@ -347,19 +347,27 @@ def test_target_check_reads_its_count_after_the_loss_kernels_are_queued(fn, monk
 
 
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("g", [0.7, 1.0])
-def test_scale_by_a_scalar_strides_over_more_tiles_than_programs(in_place, g, device, seed):
-    """The mean/sum backward's scale: a fixed number of programs, each over several (row, block) tiles; exact in
-    fp32 (one multiplication), every element written (out of place into a fresh buffer), skipped in place at 1."""
+@pytest.mark.parametrize("g", [0.7, 1.0, "per_row"])
+def test_scale_strides_over_more_tiles_than_programs(in_place, g, device, seed):
+    """The backward's scale: a fixed number of programs, each over several (row, block) tiles; exact in fp32 (one
+    multiplication), every element written (out of place into a fresh buffer); in place, a scalar of 1 returns
+    at once and rows whose own value is 1 are skipped."""
     from liger_core import cross_entropy as core
     from liger_torch._launch import info, run_plan
 
     gen = torch.Generator().manual_seed(seed)
-    grad = torch.randn(core._SCALE_PROGRAMS + 77, 20, generator=gen).to(device)
-    g_t = torch.tensor(g, device=device)
-    plan = core.backward_plan(info(grad), info(g_t), reduction="mean", in_place=in_place)
-    assert plan.launches[0].grid[0] == core._SCALE_PROGRAMS
+    rows = core._SCALE_PROGRAMS + 77
+    grad = torch.randn(rows, 20, generator=gen).to(device)
+    if g == "per_row":
+        g_t = torch.randn(rows, generator=gen).to(device)
+        g_t[::3] = 1.0
+        reduction, expected = "none", grad * g_t[:, None]
+    else:
+        g_t = torch.tensor(g, device=device)
+        reduction, expected = "mean", grad * g
+    plan = core.backward_plan(info(grad), info(g_t), reduction=reduction, in_place=in_place)
+    assert plan.launches[0].grid == (core._SCALE_PROGRAMS,)
     work = grad.clone()
     (out,) = run_plan(plan, grad=work, grad_output=g_t)
     assert (out.data_ptr() == work.data_ptr()) == in_place
-    assert torch.equal(out, grad * g)
+    assert torch.equal(out, expected)
