@@ -31,12 +31,16 @@ LAYOUTS = ("vh", "hv")
 
 
 def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = None,
-               workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
-    """Rows per chunk: ``chunk_size`` if given, else as many as fit ``workspace_bytes`` of chunk logits."""
+               workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, accumulator_bytes: int = 0) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else as many as fit ``workspace_bytes`` of chunk logits, or all
+    of them when their logits take no more than ``accumulator_bytes``: the fp32 weight-gradient accumulator that
+    chunking would allocate, which one chunk does without."""
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         return max(1, min(chunk_size, n_rows))
+    if n_rows * vocab * ITEMSIZE[dtype] <= max(int(workspace_bytes), accumulator_bytes):
+        return max(1, n_rows)
     rows = max(1, int(workspace_bytes) // (vocab * ITEMSIZE[dtype]))
     if rows >= _ROW_QUANTUM:
         rows -= rows % _ROW_QUANTUM
@@ -50,6 +54,25 @@ def accumulate_in_fp32(weight_dtype: str, flag: bool | None) -> bool:
     if flag is None:
         return weight_dtype in ("bfloat16", "float16")
     return bool(flag)
+
+
+def fp32_accumulator(n_rows: int, rows: int, weight_dtype: str, accum_fp32: bool) -> bool:
+    """Whether grad_W gets an fp32 accumulator beside it: fp32 accumulation asked for a low-precision weight
+    over more than one chunk. One chunk's grad_W is a single matmul over all rows, summed in fp32 inside it and
+    rounded once to the weight's dtype: the same accumulation, without a W-sized fp32 buffer or its passes."""
+    return accum_fp32 and weight_dtype != "float32" and rows < n_rows
+
+
+def chunking(n_rows: int, vocab: int, hidden: int, dtype: str, weight_dtype: str, chunk_size: int | None,
+             accum_fp32: bool) -> tuple[int, bool]:
+    """``(rows per chunk, fp32 accumulator?)`` of the fused linear cross-entropy's loop. Without ``chunk_size``
+    all rows go as one chunk when their logits take no more than the fp32 accumulator that chunking would need
+    (N <= 2H in bf16): the peak is no higher (chunking ends its backward holding the accumulator and the
+    gradient's rounded copy), and the accumulator's read-modify-write passes (~1 ms each at V x H = 128256 x 4096
+    on an H200) and its final rounding pass are gone."""
+    accumulator = vocab * hidden * 4 if accum_fp32 and weight_dtype != "float32" else 0
+    rows = chunk_rows(n_rows, vocab, dtype, chunk_size, accumulator_bytes=accumulator)
+    return rows, fp32_accumulator(n_rows, rows, weight_dtype, accum_fp32)
 
 
 DTYPE_REMEDY = "cast them to one dtype"

@@ -30,6 +30,7 @@ from .launch import ArrayInfo, Plan, as_real
 WORKSPACE_BYTES = flce.DEFAULT_WORKSPACE_BYTES
 LAYOUTS = flce.LAYOUTS
 accumulate_in_fp32 = flce.accumulate_in_fp32
+fp32_accumulator = flce.fp32_accumulator
 
 
 def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = None) -> int:

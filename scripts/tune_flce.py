@@ -3,8 +3,10 @@
 Times, with the benchmark harness (CUDA events, L2 flushed, host running ahead):
 - the three matmuls of the loss at full size in bf16 (x @ W^T, dlogits @ W, dlogits^T @ x): the floor;
 - the weight-gradient accumulation ``addmm(acc_fp32, dlogits_c^T, x_c)`` per chunk size (its share of the loop);
-- forward+backward of ``liger_torch.fused_linear_cross_entropy`` for several chunk sizes, with its peak memory
-  above the inputs.
+- forward+backward of ``liger_torch.fused_linear_cross_entropy`` for several chunk sizes and the default
+  (one chunk when N <= 2H), with its peak memory above the inputs;
+- the error of dx and dW against float64 for an incoming gradient g != 1 (gradient accumulation's 1/steps), for
+  the default and a chunked run: one chunk rounds dW to bf16 and then scales it, the chunks scale the fp32 sum.
 
     python3 scripts/tune_flce.py [--tokens 8192 --hidden 4096 --vocab 128256] [--json out.json]
 """
@@ -29,12 +31,44 @@ def median_ms(fn):
     return statistics.median(time_torch(fn))
 
 
+def reference_grads(x, w, target, g):
+    """float64 dx, dW of ``g * mean CE(x @ W^T)`` (logits rounded to bf16 first, as the lm_head's output is)."""
+    z = (x.double() @ w.double().t()).to(torch.bfloat16).double()
+    keep = target != -100
+    p = torch.softmax(z, dim=1)
+    p[keep, target[keep]] -= 1.0
+    p[~keep] = 0.0
+    p *= g / keep.sum()
+    return p @ w.double(), p.t() @ x.double()
+
+
+def gradient_errors(x, w, target, g, chunks):
+    """Max-abs and relative-Frobenius errors of dx and dW against float64, per chunk setting."""
+    want = reference_grads(x, w, target, g)
+    torch.cuda.empty_cache()
+    out = []
+    for c in chunks:
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        liger_torch.fused_linear_cross_entropy(xg, wg, target, chunk_size=c).backward(torch.tensor(g, device=x.device))
+        row = {"chunk": c or "default", "g": g}
+        for name, got, ref in (("dx", xg.grad, want[0]), ("dW", wg.grad, want[1])):
+            err = got.double() - ref
+            row[f"{name}_max_abs"] = float(err.abs().max())
+            row[f"{name}_rel_fro"] = float(err.norm() / ref.norm())
+            row[f"{name}_ref_max_abs"] = float(ref.abs().max())
+        out.append(row)
+        print(row, flush=True)
+        del xg, wg
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--chunks", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--grad-scale", type=float, default=0.37, help="the incoming gradient of the error check")
     parser.add_argument("--json")
     args = parser.parse_args()
     n, h, v = args.tokens, args.hidden, args.vocab
@@ -72,8 +106,8 @@ def main():
 
     xg = x.clone().requires_grad_(True)
     wg = w.clone().requires_grad_(True)
-    for c in args.chunks:
-        if c > n:
+    for c in [None] + args.chunks:
+        if c is not None and c > n:
             continue
 
         def step(c=c):
@@ -85,7 +119,8 @@ def main():
         step()
         xg.grad = wg.grad = None
         torch.cuda.empty_cache()
-        record(f"liger_torch FLCE fwd+bwd, chunk {c}", t, 3 * mm, torch_peak_extra_mb(step))
+        record(f"liger_torch FLCE fwd+bwd, chunk {c or 'default'}", t, 3 * mm, torch_peak_extra_mb(step))
+    errors = gradient_errors(x, w, target, args.grad_scale, [None, min(2048, n)])
     print()
     print(f"{'what':<58}{'ms':>9}{'TFLOP/s':>9}{'extra MB':>10}")
     for r in rows:
@@ -93,7 +128,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": [n, h, v], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "gradient_errors": errors}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -60,10 +60,11 @@ def grads_of(fn, tensors, g):
     return out, [None if a is None else a.grad for a in leaves]
 
 
+# chunk None: one chunk, whose bf16 weight gradient is one matmul rounded once (no fp32 accumulator)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("option,with_bias", [("plain", False), ("plain", True), ("everything", True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_backward(reduction, option, with_bias, dtype, device, seed):
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, CHUNK), (torch.bfloat16, CHUNK), (torch.bfloat16, None)])
+def test_forward_backward(reduction, option, with_bias, dtype, chunk, device, seed):
     x, w, b, t, cw, gen = draw(seed, dtype, device=device)
     opts = dict(OPTIONS[option])
     if opts.pop("ce_weight", False):
@@ -71,7 +72,7 @@ def test_forward_backward(reduction, option, with_bias, dtype, device, seed):
     b = b if with_bias else None
     g = (torch.randn(N, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(device, dtype)
     (loss, z), grads = grads_of(lambda a, c, d: liger_torch.fused_linear_cross_entropy(
-        a, c, t, d, reduction=reduction, return_z_loss=True, chunk_size=CHUNK, **opts), (x, w, b), g)
+        a, c, t, d, reduction=reduction, return_z_loss=True, chunk_size=chunk, **opts), (x, w, b), g)
     (loss_ref, z_ref), grads_ref = grads_of(lambda a, c, d: reference(a, c, t, d, reduction=reduction, **opts),
                                             (x, w, b), g.double())
     assert loss.dtype == torch.float32 and loss.shape == loss_ref.shape  # fp32 whatever the inputs
@@ -173,6 +174,21 @@ def test_chunk_size_is_a_bounded_workspace():
     assert rows(100, 128256, "bfloat16") == 100
     assert rows(50, 10, "float32", chunk_size=8) == 8
     assert rows(10**6, 10**7, "float32") >= 1
+
+
+@pytest.mark.parametrize("n,hidden,weight_dtype,chunk_size,accum,expect", [
+    (8192, 4096, "bfloat16", None, True, (8192, False)),   # logits 2.1 GB <= the 2.1 GB accumulator: one chunk
+    (8193, 4096, "bfloat16", None, True, (2048, True)),    # one row more: chunks and the fp32 accumulator
+    (16384, 4096, "bfloat16", None, True, (2048, True)),
+    (8192, 4096, "bfloat16", None, False, (2048, False)),  # bf16 accumulation: no accumulator to save
+    (8192, 4096, "float32", None, True, (2048, False)),    # an fp32 weight's gradient is its own accumulator
+    (8192, 4096, "bfloat16", 1024, True, (1024, True)),    # chunk_size is obeyed
+    (8192, 4096, "bfloat16", 8192, True, (8192, False)),
+    (100, 4096, "bfloat16", None, True, (100, False)),
+])
+def test_one_chunk_when_its_logits_fit_the_accumulator(n, hidden, weight_dtype, chunk_size, accum, expect):
+    chunking = liger_core.fused_linear_cross_entropy.chunking
+    assert chunking(n, 128256, hidden, "bfloat16", weight_dtype, chunk_size, accum) == expect
 
 
 # make(device) -> (x, weight, target); kwargs(device) -> keyword arguments. Everything is built on the test's

@@ -54,7 +54,9 @@ def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_s
     n, hidden = x.shape
     vocab = kernel.shape[1 if layout == "hv" else 0]
     dtype = dtype_name(x.dtype)
-    rows = core.chunk_rows(n, vocab, dtype, chunk_size)
+    # accumulation only matters when the kernel's gradient is computed (else one chunk saves no accumulator)
+    rows, fp32_acc = core.chunking(n, vocab, hidden, dtype, dtype_name(kernel.dtype), chunk_size,
+                                   accum_fp32 and compute_grad)
     n_chunks = -(-n // rows)
     pad = n_chunks * rows - n
     denom = None
@@ -70,7 +72,7 @@ def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_s
     plan = core.chunk_plan(rows, vocab, dtype, dtype_name(labels.dtype), optional_info(ce_weight),
                            compute_grad=compute_grad,
                            grad_scale_dtype=None if grad_scale is None else dtype_name(grad_scale.dtype), **opts)
-    acc_dtype = jnp.float32 if accum_fp32 else kernel.dtype
+    acc_dtype = jnp.float32 if fp32_acc else kernel.dtype
 
     def body(carry, chunk):
         xc, lc, gc = chunk
@@ -177,6 +179,11 @@ def _outputs(rows, z, static, dtype):
     return loss
 
 
+def scaled(grad, scale, dtype):
+    """``grad * scale`` (an fp32 scalar) in ``dtype``: the product in fp32 and one rounding (one fused pass)."""
+    return (grad.astype(jnp.float32) * scale).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flce(x, kernel, labels, bias, ce_weight, static):
     rows, z, _ = _loop(x, kernel, labels, bias, ce_weight, static, False)
@@ -196,19 +203,12 @@ def _flce_bwd(static, residuals, cotangent):
     g = cotangent[0] if static[0]["return_z_loss"] else cotangent  # z_loss is for logging: cotangent dropped
     x, kernel, labels, bias, ce_weight, grads = residuals
     if grads is None:  # reduction='none': run the loop again, the per-row cotangent folded into the kernel
-        _, _, (grad_x, grad_w, grad_b) = _loop(x, kernel, labels, bias, ce_weight, static, True,
-                                               grad_scale=g.astype(jnp.float32))
-        dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
+        _, _, grads = _loop(x, kernel, labels, bias, ce_weight, static, True, grad_scale=g.astype(jnp.float32))
+        scale = jnp.float32(1)
     else:
-        grad_x, grad_w, grad_b = grads
         scale = g.astype(jnp.float32)
-        grad_x = grad_x * scale.astype(grad_x.dtype)
-        grad_w = grad_w * scale.astype(grad_w.dtype)
-        grad_b = None if grad_b is None else grad_b * scale
-        dtypes = static[5]
-    grad_x = grad_x.astype(dtypes[0])
-    grad_w = grad_w.astype(dtypes[1])
-    grad_b = None if grad_b is None else grad_b.astype(dtypes[2])
+    grad_x, grad_w, grad_b = (None if grad is None else scaled(grad, scale, dtype)
+                              for grad, dtype in zip(grads, static[5]))
     return like((grad_x, grad_w, None, grad_b, None), (None, kernel, None, bias, None))
 
 
@@ -225,7 +225,9 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
     ``x @ kernel.T`` (a tied ``nnx.Embed.embedding``).
 
     Tokens go through a ``lax.scan`` in chunks of ``chunk_size`` rows (default: a fixed logits workspace of
-    ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``, whatever N). ``ce_weight`` is the class
+    ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``, whatever N; or one chunk when all the
+    logits take no more than the fp32 weight-gradient accumulator that chunks need, N <= 2H in bf16: no
+    accumulator then, the weight gradient is one matmul summed in fp32 and rounded once). ``ce_weight`` is the class
     weight; the other options are :func:`liger_jax.cross_entropy`'s (labels checked when concrete; under
     ``jit`` a bad label makes the loss NaN). ``accum_dtype_fp32``: accumulate the kernel's gradient in fp32
     (default: on for bf16/fp16 kernels). Differentiable in x, kernel and bias. The loss (and z-loss) is fp32

@@ -26,7 +26,7 @@ from liger_core import fused_linear_jsd as core
 from ._launch import as_array, dtype_name, info, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch
-from .fused_linear_cross_entropy import scan_from_first_chunk, sum_rows
+from .fused_linear_cross_entropy import scaled, scan_from_first_chunk, sum_rows
 
 
 def _logits(xc, kernel, layout):
@@ -59,7 +59,7 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
                            None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
                            ignore_index=opts["ignore_index"], n_total_rows=n_total, temperature=opts["temperature"],
                            compute_grad=compute_grad)
-    acc_dtype = jnp.float32 if accum_fp32 else ws.dtype
+    acc_dtype = jnp.float32 if core.fp32_accumulator(n, rows, dtype_name(ws.dtype), accum_fp32) else ws.dtype
 
     def body(gw, chunk):
         xsc, xtc, lc = chunk
@@ -130,8 +130,8 @@ def _fljsd_bwd(static, residuals, g):
     (grad_x, grad_w), ws = residuals
     scale = g.astype(jnp.float32)
     dtypes = static[5]
-    grad_x = (grad_x * scale.astype(grad_x.dtype)).astype(dtypes[0])
-    grad_w = (grad_w * scale.astype(grad_w.dtype)).astype(dtypes[1])
+    grad_x = scaled(grad_x, scale, dtypes[0])
+    grad_w = scaled(grad_w, scale, dtypes[1])
     return like((grad_x, grad_w), (None, ws)) + (None, None, None)  # the teacher is a constant: zero cotangents
 
 

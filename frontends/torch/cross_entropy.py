@@ -80,7 +80,7 @@ def _forward(logits, target, weight, ignore_index, reduction, label_smoothing, l
     return logits, outs
 
 
-def _backward(grad, grad_loss, reduction, in_place):
+def scale_grad(grad, grad_loss, reduction, in_place):
     """d loss / d logits: ``grad`` scaled by the incoming gradient (in place into ``grad`` with ``in_place``)."""
     plan = core.backward_plan(info(grad), info(grad_loss), reduction=reduction, in_place=in_place)
     (dlogits,) = run_plan(plan, grad=grad, grad_output=grad_loss)
@@ -115,7 +115,7 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
                                "(the gradient computed in the forward is scaled in place)")
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        dlogits = _backward(grad, grad_loss, ctx.reduction, in_place=True)
+        dlogits = scale_grad(grad, grad_loss, ctx.reduction, in_place=True)
         # In place, ``grad`` is the logits tensor itself; a leaf's AccumulateGrad would copy a gradient that is
         # that (widely referenced) tensor, but takes a fresh alias of the same memory as it is.
         return dlogits.detach(), None, None, None, None, None, None, None, None, None, None
@@ -161,7 +161,7 @@ forward_op = define("cross_entropy_forward",
 
 
 def _backward_op(grad, grad_loss, reduction):
-    return _backward(grad, grad_loss, reduction, in_place=False)
+    return scale_grad(grad, grad_loss, reduction, in_place=False)
 
 
 def _backward_fake(grad, grad_loss, reduction):

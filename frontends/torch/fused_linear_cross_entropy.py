@@ -9,6 +9,7 @@ gradient folded into the kernel.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from liger_core import fused_linear_cross_entropy as core
 
 from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
-from .cross_entropy import start_target_check
+from .cross_entropy import scale_grad, start_target_check
 
 # x is typically a model's last hidden states and weight its lm_head's: a model cast in part (or on one rank
 # only) is the usual cause
@@ -64,12 +65,13 @@ def _probe_operands(device, dtype):
     return a, b, torch.randn(64, 48, device=device, generator=gen)
 
 
-def weight_grad_buffers(weight: torch.Tensor, accum_fp32: bool):
-    """``(grad_w, grad_w_tmp)``: the dW accumulator (fp32 when ``accum_fp32``; left unset: the first chunk
-    overwrites it, see :func:`accumulate_linear_grads`) and, only where the device cannot add a low-precision
-    matmul into fp32 in place, a scratch of W's size for one chunk's dW."""
-    grad_w = torch.empty(weight.shape, dtype=torch.float32 if accum_fp32 else weight.dtype, device=weight.device)
-    mixed = accum_fp32 and weight.dtype != torch.float32
+def weight_grad_buffers(weight: torch.Tensor, fp32_acc: bool):
+    """``(grad_w, grad_w_tmp)``: the dW accumulator (fp32 with ``fp32_acc``, see
+    :func:`liger_core.fused_linear_cross_entropy.chunking`; left unset: the first chunk overwrites it, see
+    :func:`accumulate_linear_grads`) and, only where the device cannot add a low-precision matmul into fp32 in
+    place, a scratch of W's size for one chunk's dW."""
+    grad_w = torch.empty(weight.shape, dtype=torch.float32 if fp32_acc else weight.dtype, device=weight.device)
+    mixed = fp32_acc and weight.dtype != torch.float32
     if mixed and not _addmm_accumulates_in_fp32(weight.device, weight.dtype):
         return grad_w, torch.empty_like(weight)
     return grad_w, None
@@ -118,13 +120,15 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
     vocab = weight.shape[0]
     dtype = dtype_name(x.dtype)
     compute_grad = any(need)
-    rows = core.chunk_rows(n, vocab, dtype, chunk_size)
+    # accumulation only matters when grad_W is computed (else one chunk saves no accumulator)
+    rows, fp32_acc = core.chunking(n, vocab, hidden, dtype, dtype_name(weight.dtype), chunk_size,
+                                   accum_fp32 and need[1])
     if opts["reduction"] == "mean" and denom is None:
         denom = _denominators(target, ce_weight, vocab, opts)
     grad_x = torch.empty_like(x) if need[0] else None
     grad_w = grad_w_tmp = grad_b = None
     if need[1]:
-        grad_w, grad_w_tmp = weight_grad_buffers(weight, accum_fp32)
+        grad_w, grad_w_tmp = weight_grad_buffers(weight, fp32_acc)
     if need[2]:
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device)
     losses, z_losses = [], []
@@ -183,7 +187,9 @@ def _forward(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32, n
 def scaled_grads(grads, need, grad_loss, dtypes, in_place):
     """mean/sum backward: the forward's gradients times the incoming scalar, in the inputs' ``dtypes`` (None
     where ``need`` says no). An fp32 accumulator (grad_W, grad_b) is scaled and rounded to its parameter's
-    dtype in one pass (one read of it, one write of the result) instead of a scale and then a cast."""
+    dtype in one pass (one read of it, one write of the result) instead of a scale and then a cast. A gradient
+    already in its dtype is scaled in fp32 and rounded once: in place by the cross-entropy's scale kernel (where
+    ``loss.backward()``'s gradient of 1 moves nothing), else (the torch.compile path, traced) by torch ops."""
     g = grad_loss.to(torch.float32)
     out = []
     for flag, grad, dtype in zip(need, grads, dtypes):
@@ -191,8 +197,10 @@ def scaled_grads(grads, need, grad_loss, dtypes, in_place):
             out.append(None)
         elif grad.dtype != dtype:
             out.append(torch.mul(grad, g, out=torch.empty(grad.shape, dtype=dtype, device=grad.device)))
+        elif in_place:
+            out.append(scale_grad(grad, g, "sum", in_place=True))
         else:
-            out.append(grad.mul_(g.to(grad.dtype)) if in_place else grad * g.to(grad.dtype))
+            out.append((grad.to(torch.float32) * g).to(dtype))
     return tuple(out)
 
 
@@ -264,14 +272,21 @@ def _forward_op(x, weight, target, bias, ce_weight, *options):
             *(grad if grad is not None else absent(loss) for grad in grads))
 
 
+def _grad_weight_dtype(x, weight, chunk_size, accum_fp32):
+    """The dtype the chunk loop returns grad_W in (an fp32 accumulator, or the weight's own)."""
+    _, fp32_acc = core.chunking(math.prod(x.shape[:-1]), weight.shape[0], x.shape[-1], dtype_name(x.dtype),
+                                dtype_name(weight.dtype), chunk_size, accum_fp32)
+    return torch.float32 if fp32_acc else None
+
+
 def _forward_fake(x, weight, target, bias, ce_weight, *options):
-    opts, _, accum_fp32, need = _unpack(options)
+    opts, chunk_size, accum_fp32, need = _unpack(options)
     loss = empty_like(x, torch.float32, x.shape[:-1] if opts["reduction"] == "none" else ())
     z_loss = empty_like(loss) if opts["return_z_loss"] else absent(loss)
     if opts["reduction"] == "none":  # gradients come from the backward
         need = (False,) * 3
     grad_x = empty_like(x) if need[0] else absent(loss)
-    grad_w = empty_like(weight, torch.float32 if accum_fp32 else None) if need[1] else absent(loss)
+    grad_w = empty_like(weight, _grad_weight_dtype(x, weight, chunk_size, accum_fp32)) if need[1] else absent(loss)
     grad_b = empty_like(weight, torch.float32, weight.shape[:1]) if need[2] else absent(loss)
     return loss, z_loss, grad_x, grad_w, grad_b
 
@@ -313,9 +328,9 @@ def _backward_op(x, weight, target, bias, ce_weight, grad_loss, *options):
 
 
 def _backward_fake(x, weight, target, bias, ce_weight, grad_loss, *options):
-    _, _, accum_fp32, need = _unpack(options)
+    _, chunk_size, accum_fp32, need = _unpack(options)
     return (empty_like(x) if need[0] else absent(x),
-            empty_like(weight, torch.float32 if accum_fp32 else None) if need[1] else absent(x),
+            empty_like(weight, _grad_weight_dtype(x, weight, chunk_size, accum_fp32)) if need[1] else absent(x),
             empty_like(weight, torch.float32, weight.shape[:1]) if need[2] else absent(x))
 
 
@@ -334,7 +349,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     a tied ``nn.Embedding``), without materialising the (N, V) logits.
 
     Tokens go through in chunks of ``chunk_size`` rows (default: a fixed logits workspace of
-    ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``, whatever N). ``ce_weight`` is the class
+    ``liger_core.fused_linear_cross_entropy.DEFAULT_WORKSPACE_BYTES``, whatever N; or one chunk when all the
+    logits take no more than the fp32 weight-gradient accumulator that chunks need, N <= 2H in bf16: no
+    accumulator then, the weight gradient is one matmul summed in fp32 and rounded once). ``ce_weight`` is the class
     weight; the other options are :func:`liger_torch.cross_entropy`'s (same semantics and the same eager,
     host-syncing target check). ``accum_dtype_fp32``: accumulate the weight gradient over chunks in fp32
     (default: on for bf16/fp16 weights). Under ``torch.autocast`` x, weight and bias are cast to the autocast

@@ -6,6 +6,8 @@ the backward scales them by the incoming scalar (once: a second backward is refu
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -24,13 +26,14 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     temperature = opts["temperature"]
     compute_grad = any(need)
     rows = core.chunk_rows(n, vocab, dtype_name(xs.dtype), chunk_size)
+    fp32_acc = core.fp32_accumulator(n, rows, dtype_name(ws.dtype), accum_fp32)
     denom = None
     if labels is not None:
         (denom,) = run_plan(core.count_plan(n, dtype_name(labels.dtype), opts["ignore_index"]), labels=labels)
     grad_x = torch.empty_like(xs) if need[0] else None
     grad_w = grad_w_tmp = None
     if need[1]:
-        grad_w, grad_w_tmp = weight_grad_buffers(ws, accum_fp32)
+        grad_w, grad_w_tmp = weight_grad_buffers(ws, fp32_acc)
     losses = []
     for start in range(0, n, rows):
         stop = min(start + rows, n)
@@ -98,7 +101,14 @@ def _forward_op(xs, ws, xt, wt, labels, beta, ignore_index, temperature, chunk_s
 def _forward_fake(xs, ws, xt, wt, labels, beta, ignore_index, temperature, chunk_size, accum_fp32, *need):
     loss = empty_like(xs, shape=())
     return (loss, empty_like(xs) if need[0] else absent(loss),
-            empty_like(ws, torch.float32 if accum_fp32 else None) if need[1] else absent(loss))
+            empty_like(ws, _grad_weight_dtype(xs, ws, chunk_size, accum_fp32)) if need[1] else absent(loss))
+
+
+def _grad_weight_dtype(xs, ws, chunk_size, accum_fp32):
+    """The dtype the chunk loop returns the student head's gradient in (an fp32 accumulator, or the head's)."""
+    n = math.prod(xs.shape[:-1])
+    rows = core.chunk_rows(n, ws.shape[0], dtype_name(xs.dtype), chunk_size)
+    return torch.float32 if core.fp32_accumulator(n, rows, dtype_name(ws.dtype), accum_fp32) else None
 
 
 def _setup_context(ctx, inputs, output):
