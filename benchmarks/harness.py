@@ -883,6 +883,7 @@ def donating_jax_runner(fn, *args):
         return compiled(*pool.pop())
 
     run.prepare = prepare
+    run.compiled = compiled  # for scripts/profile_kernels.py's HLO listing
     run.donated = tuple(sorted(donated))
     run.copy_bytes = copies
     run.peak_extra_MB = jax_extra_mb(compiled)

@@ -1,0 +1,98 @@
+"""Where a benchmark point's GPU time goes, kernel by kernel: the same runners the benchmark times, a few
+steps under ``torch.profiler`` (its CUPTI tracing records every kernel of the process, XLA's included), and a
+table per provider of each kernel's calls and device microseconds per step. For jax runners the compiled
+program's copies and custom calls are listed too (the copies XLA adds around an aliased kernel are the usual
+suspects of a jax-vs-torch gap).
+
+    python3 scripts/profile_kernels.py --kernel cross_entropy --match "fwd\\+bwd 8192x128256 liger_(torch|jax)$"
+"""
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: benchmarks
+
+
+def kernel_times(run, steps):
+    """``{kernel name: (calls, total us)}`` per step, over ``steps`` runs after a warm-up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    # jax runners' prepare(n) makes n donated copies ahead; torch runners' prepare() restores overwritten inputs,
+    # done once here (a step on overwritten inputs moves the same bytes) so no restore copy is profiled
+    prepare = getattr(run, "prepare", None)
+    takes_n = prepare is not None and prepare.__code__.co_argcount > 0
+    for _ in range(2):
+        if prepare:
+            prepare(1) if takes_n else prepare()
+        sync(run())
+    if prepare:
+        prepare(steps) if takes_n else prepare()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            sync(run())
+        torch.cuda.synchronize()
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            totals[event.name][0] += 1
+            totals[event.name][1] += event.device_time
+    return {name: (calls / steps, us / steps) for name, (calls, us) in totals.items()}
+
+
+def sync(out):
+    try:
+        import jax
+
+        jax.block_until_ready(out)
+    except ImportError:
+        pass
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def print_table(label, times):
+    total = sum(us for _, us in times.values())
+    print(f"\n== {label}: {total:.1f} us of kernels per step")
+    for name, (calls, us) in sorted(times.items(), key=lambda kv: -kv[1][1]):
+        print(f"{us:10.1f} us {calls:6.1f}x  {name[:110]}")
+
+
+def hlo_summary(run):
+    """The optimized HLO's copies and custom calls of a jax runner's program."""
+    compiled = getattr(run, "compiled", None)
+    if compiled is None:
+        return
+    text = compiled.as_text()
+    for line in text.splitlines():
+        if re.search(r"\b(copy|custom-call|copy-start|dynamic-update-slice)\(", line):
+            print("   ", line.strip()[:200])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kernel", required=True, help="a benchmarks/bench_<kernel>.py module")
+    parser.add_argument("--match", required=True, help="regex over the case label 'kernel pass shape provider'")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    module = importlib.import_module(f"benchmarks.bench_{args.kernel}")
+    chosen = [c for c in module.cases() if re.search(args.match, c.label)]
+    if not chosen:
+        sys.exit(f"no case of {args.kernel} matches {args.match!r}")
+    for case in chosen:
+        run = case.make()
+        print_table(case.label, kernel_times(run, args.steps))
+        for attr in ("donated", "copy_bytes", "calls_per_run"):
+            if hasattr(run, attr):
+                print(f"   {attr}: {getattr(run, attr)}")
+        hlo_summary(run)
+        del run
+
+
+if __name__ == "__main__":
+    main()
