@@ -31,16 +31,12 @@ LAYOUTS = ("vh", "hv")
 
 
 def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = None,
-               workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, accumulator_bytes: int = 0) -> int:
-    """Rows per chunk: ``chunk_size`` if given, else as many as fit ``workspace_bytes`` of chunk logits, or all
-    of them when their logits take no more than ``accumulator_bytes``: the fp32 weight-gradient accumulator that
-    chunking would allocate, which one chunk does without."""
+               workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else as many as fit ``workspace_bytes`` of chunk logits."""
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         return max(1, min(chunk_size, n_rows))
-    if n_rows * vocab * ITEMSIZE[dtype] <= max(int(workspace_bytes), accumulator_bytes):
-        return max(1, n_rows)
     rows = max(1, int(workspace_bytes) // (vocab * ITEMSIZE[dtype]))
     if rows >= _ROW_QUANTUM:
         rows -= rows % _ROW_QUANTUM
@@ -64,14 +60,19 @@ def fp32_accumulator(n_rows: int, rows: int, weight_dtype: str, accum_fp32: bool
 
 
 def chunking(n_rows: int, vocab: int, hidden: int, dtype: str, weight_dtype: str, chunk_size: int | None,
-             accum_fp32: bool) -> tuple[int, bool]:
-    """``(rows per chunk, fp32 accumulator?)`` of the fused linear cross-entropy's loop. Without ``chunk_size``
-    all rows go as one chunk when their logits take no more than the fp32 accumulator that chunking would need
-    (N <= 2H in bf16): the peak is no higher (chunking ends its backward holding the accumulator and the
-    gradient's rounded copy), and the accumulator's read-modify-write passes (~1 ms each at V x H = 128256 x 4096
-    on an H200) and its final rounding pass are gone."""
+             accum_fp32: bool, row_bytes: int | None = None,
+             workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> tuple[int, bool]:
+    """``(rows per chunk, fp32 accumulator?)`` of a fused linear loss's loop. Without ``chunk_size`` all rows go
+    as one chunk when their logits (``row_bytes`` a row: by default one (V,) row in ``dtype``) take no more than
+    the fp32 accumulator that chunking would need (N <= 2H for bf16 cross-entropy logits): the peak is no higher
+    (chunking ends its backward holding the accumulator and the gradient's rounded copy), and the accumulator's
+    read-modify-write passes (~1 ms each at V x H = 128256 x 4096 on an H200) and its rounding pass are gone."""
     accumulator = vocab * hidden * 4 if accum_fp32 and weight_dtype != "float32" else 0
-    rows = chunk_rows(n_rows, vocab, dtype, chunk_size, accumulator_bytes=accumulator)
+    row_bytes = vocab * ITEMSIZE[dtype] if row_bytes is None else row_bytes
+    if chunk_size is None and n_rows * row_bytes <= accumulator:
+        rows = max(1, n_rows)
+    else:
+        rows = chunk_rows(n_rows, vocab, dtype, chunk_size, workspace_bytes)
     return rows, fp32_accumulator(n_rows, rows, weight_dtype, accum_fp32)
 
 

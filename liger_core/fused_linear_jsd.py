@@ -21,7 +21,7 @@ import functools
 
 from . import fused_linear_cross_entropy as flce
 from . import jsd
-from .launch import ArrayInfo, Plan, as_real
+from .launch import ITEMSIZE, ArrayInfo, Plan, as_real
 
 # A chunk holds the two heads' (rows, V) logits; the student's in at most this many bytes (the fused linear
 # cross-entropy's tuned workspace: 2048 rows of a 128256-token vocabulary in bf16), the teacher's alike in its
@@ -30,13 +30,22 @@ from .launch import ArrayInfo, Plan, as_real
 WORKSPACE_BYTES = flce.DEFAULT_WORKSPACE_BYTES
 LAYOUTS = flce.LAYOUTS
 accumulate_in_fp32 = flce.accumulate_in_fp32
-fp32_accumulator = flce.fp32_accumulator
 
 
 def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = None) -> int:
     """Rows per chunk: ``chunk_size`` if given, else as many as fit the student's (rows, V) logits in ``dtype``
     in :data:`WORKSPACE_BYTES` (the fused linear cross-entropy's chunk-size logic)."""
     return flce.chunk_rows(n_rows, vocab, dtype, chunk_size, workspace_bytes=WORKSPACE_BYTES)
+
+
+def chunking(n_rows: int, vocab: int, hidden: int, student_dtype: str, teacher_dtype: str, weight_dtype: str,
+             chunk_size: int | None, accum_fp32: bool) -> tuple[int, bool]:
+    """``(rows per chunk, fp32 accumulator?)``: :func:`chunk_rows`, or one chunk when both heads' logits of all
+    rows take no more than the student head's fp32 gradient accumulator that chunks would need (N <= H in bf16);
+    see :func:`liger_core.fused_linear_cross_entropy.chunking`."""
+    row_bytes = vocab * (ITEMSIZE[student_dtype] + ITEMSIZE[teacher_dtype])
+    return flce.chunking(n_rows, vocab, hidden, student_dtype, weight_dtype, chunk_size, accum_fp32,
+                         row_bytes=row_bytes, workspace_bytes=WORKSPACE_BYTES)
 
 
 def check_options(*, beta, ignore_index, temperature) -> None:

@@ -156,6 +156,19 @@ def test_chunk_size_is_a_bounded_workspace():
     assert rows(50, 10, "float32", chunk_size=8) == 8
 
 
+@pytest.mark.parametrize("n,teacher_dtype,chunk_size,accum,expect", [
+    (4096, "bfloat16", None, True, (4096, False)),  # both heads' logits 2.1 GB <= the 2.1 GB accumulator
+    (4097, "bfloat16", None, True, (2048, True)),
+    (4096, "float32", None, True, (2048, True)),    # an fp32 teacher's logits are twice the bytes
+    (2048, "float32", None, True, (2048, False)),
+    (4096, "bfloat16", None, False, (2048, False)),
+    (4096, "bfloat16", 1024, True, (1024, True)),
+])
+def test_one_chunk_when_both_heads_logits_fit_the_accumulator(n, teacher_dtype, chunk_size, accum, expect):
+    chunking = liger_core.fused_linear_jsd.chunking
+    assert chunking(n, 128256, 4096, "bfloat16", teacher_dtype, "bfloat16", chunk_size, accum) == expect
+
+
 def _make(d, xs_shape=(4, 8), ws_shape=(10, 8), xt_shape=(4, 6), wt_shape=(10, 6), dtype=torch.float32,
           wt_dtype=None):
     return (torch.randn(xs_shape, device=d, dtype=dtype), torch.randn(ws_shape, device=d, dtype=dtype),

@@ -43,7 +43,9 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
     n = xs.shape[0]
     n_total = n if shards is None else math.prod(shards.global_shapes[0][:-1])
     vocab = ws.shape[1 if layout == "hv" else 0]
-    rows = core.chunk_rows(n, vocab, dtype_name(xs.dtype), chunk_size)
+    # the student head's gradient is computed with the losses' (else one chunk saves no accumulator)
+    rows, fp32_acc = core.chunking(n, vocab, xs.shape[1], dtype_name(xs.dtype), dtype_name(xt.dtype),
+                                   dtype_name(ws.dtype), chunk_size, accum_fp32 and compute_grad)
     n_chunks = -(-n // rows)
     pad = n_chunks * rows - n
     denom = None
@@ -59,7 +61,7 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
                            None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
                            ignore_index=opts["ignore_index"], n_total_rows=n_total, temperature=opts["temperature"],
                            compute_grad=compute_grad)
-    acc_dtype = jnp.float32 if core.fp32_accumulator(n, rows, dtype_name(ws.dtype), accum_fp32) else ws.dtype
+    acc_dtype = jnp.float32 if fp32_acc else ws.dtype
 
     def body(gw, chunk):
         xsc, xtc, lc = chunk

@@ -25,8 +25,8 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     vocab = ws.shape[0]
     temperature = opts["temperature"]
     compute_grad = any(need)
-    rows = core.chunk_rows(n, vocab, dtype_name(xs.dtype), chunk_size)
-    fp32_acc = core.fp32_accumulator(n, rows, dtype_name(ws.dtype), accum_fp32)
+    rows, fp32_acc = core.chunking(n, vocab, xs.shape[1], dtype_name(xs.dtype), dtype_name(xt.dtype),
+                                   dtype_name(ws.dtype), chunk_size, accum_fp32 and need[1])
     denom = None
     if labels is not None:
         (denom,) = run_plan(core.count_plan(n, dtype_name(labels.dtype), opts["ignore_index"]), labels=labels)
@@ -101,14 +101,14 @@ def _forward_op(xs, ws, xt, wt, labels, beta, ignore_index, temperature, chunk_s
 def _forward_fake(xs, ws, xt, wt, labels, beta, ignore_index, temperature, chunk_size, accum_fp32, *need):
     loss = empty_like(xs, shape=())
     return (loss, empty_like(xs) if need[0] else absent(loss),
-            empty_like(ws, _grad_weight_dtype(xs, ws, chunk_size, accum_fp32)) if need[1] else absent(loss))
+            empty_like(ws, _grad_weight_dtype(xs, ws, xt, chunk_size, accum_fp32)) if need[1] else absent(loss))
 
 
-def _grad_weight_dtype(xs, ws, chunk_size, accum_fp32):
+def _grad_weight_dtype(xs, ws, xt, chunk_size, accum_fp32):
     """The dtype the chunk loop returns the student head's gradient in (an fp32 accumulator, or the head's)."""
-    n = math.prod(xs.shape[:-1])
-    rows = core.chunk_rows(n, ws.shape[0], dtype_name(xs.dtype), chunk_size)
-    return torch.float32 if core.fp32_accumulator(n, rows, dtype_name(ws.dtype), accum_fp32) else None
+    _, fp32_acc = core.chunking(math.prod(xs.shape[:-1]), ws.shape[0], xs.shape[-1], dtype_name(xs.dtype),
+                                dtype_name(xt.dtype), dtype_name(ws.dtype), chunk_size, accum_fp32)
+    return torch.float32 if fp32_acc else None
 
 
 def _setup_context(ctx, inputs, output):
