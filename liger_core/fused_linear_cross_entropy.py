@@ -37,12 +37,16 @@ def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = Non
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         return max(1, min(chunk_size, n_rows))
-    rows = max(1, int(workspace_bytes) // (vocab * ITEMSIZE[dtype]))
-    if rows >= _ROW_QUANTUM:
-        rows -= rows % _ROW_QUANTUM
-    else:
-        rows = next_power_of_2(rows + 1) // 2
+    rows = quantized_rows(int(workspace_bytes) // (vocab * ITEMSIZE[dtype]))
     return max(1, min(rows, n_rows))
+
+
+def quantized_rows(rows: int) -> int:
+    """``rows`` rounded down to a multiple of the matmul tile's rows (to a power of two below one tile), >= 1."""
+    rows = max(1, rows)
+    if rows >= _ROW_QUANTUM:
+        return rows - rows % _ROW_QUANTUM
+    return next_power_of_2(rows + 1) // 2
 
 
 def accumulate_in_fp32(weight_dtype: str, flag: bool | None) -> bool:
@@ -73,6 +77,11 @@ def chunking(n_rows: int, vocab: int, hidden: int, dtype: str, weight_dtype: str
         rows = max(1, n_rows)
     else:
         rows = chunk_rows(n_rows, vocab, dtype, chunk_size, workspace_bytes)
+        if chunk_size is None and accumulator:
+            # chunks of up to half the accumulator's bytes: the forward then holds no more (accumulator + one
+            # chunk) than the backward's end (accumulator + the gradient's rounded copy), and fewer, longer
+            # chunks pass over the accumulator fewer times
+            rows = min(n_rows, max(rows, quantized_rows(accumulator // 2 // row_bytes)))
     return rows, fp32_accumulator(n_rows, rows, weight_dtype, accum_fp32)
 
 

@@ -178,8 +178,10 @@ def test_chunk_size_is_a_bounded_workspace():
 
 @pytest.mark.parametrize("n,hidden,weight_dtype,chunk_size,accum,expect", [
     (8192, 4096, "bfloat16", None, True, (8192, False)),   # logits 2.1 GB <= the 2.1 GB accumulator: one chunk
-    (8193, 4096, "bfloat16", None, True, (2048, True)),    # one row more: chunks and the fp32 accumulator
-    (16384, 4096, "bfloat16", None, True, (2048, True)),
+    # one row more: chunks and the fp32 accumulator, the chunks' logits half its bytes (H rows in bf16)
+    (8193, 4096, "bfloat16", None, True, (4096, True)),
+    (16384, 4096, "bfloat16", None, True, (4096, True)),
+    (16384, 512, "bfloat16", None, True, (2048, True)),    # a small accumulator: the default workspace
     (8192, 4096, "bfloat16", None, False, (2048, False)),  # bf16 accumulation: no accumulator to save
     (8192, 4096, "float32", None, True, (2048, False)),    # an fp32 weight's gradient is its own accumulator
     (8192, 4096, "bfloat16", 1024, True, (1024, True)),    # chunk_size is obeyed

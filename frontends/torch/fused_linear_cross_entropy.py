@@ -145,13 +145,12 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
         losses.append(outs[0])
         if opts["return_z_loss"]:
             z_losses.append(outs[1])
-        if not compute_grad:
-            continue
-        dlogits = outs[-1]
-        grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
-        accumulate_linear_grads(dlogits, xc, weight, grad_x_chunk, grad_w, grad_w_tmp, need, first=start == 0)
-        if need[2]:
-            grad_b.add_(dlogits.sum(0, dtype=torch.float32))
+        if compute_grad:  # outs[-1]: d loss / d logits, over the logits
+            grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
+            accumulate_linear_grads(outs[-1], xc, weight, grad_x_chunk, grad_w, grad_w_tmp, need, first=start == 0)
+            if need[2]:
+                grad_b.add_(outs[-1].sum(0, dtype=torch.float32))
+        del logits, outs  # before the next chunk's matmul allocates: one chunk of logits alive, not two
     z = torch.cat(z_losses) if z_losses else None
     return torch.cat(losses), z, grad_x, grad_w, grad_b
 

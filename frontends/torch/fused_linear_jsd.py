@@ -48,11 +48,10 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
         outs = run_plan(plan, student=student, teacher=teacher,
                         labels=None if labels is None else labels[start:stop], denom=denom)
         losses.append(outs[0])
-        if not compute_grad:
-            continue
-        dlogits = outs[1]  # over the student's logits
-        grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
-        accumulate_linear_grads(dlogits, xc, ws, grad_x_chunk, grad_w, grad_w_tmp, need, first=start == 0)
+        if compute_grad:  # outs[1]: d loss / d student logits, over them
+            grad_x_chunk = grad_x[start:stop] if grad_x is not None else None
+            accumulate_linear_grads(outs[1], xc, ws, grad_x_chunk, grad_w, grad_w_tmp, need, first=start == 0)
+        del student, teacher, outs  # before the next chunk's matmuls allocate: one chunk alive, not two
     return torch.cat(losses), grad_x, grad_w
 
 
