@@ -5,6 +5,8 @@ program's copies and custom calls are listed too (the copies XLA adds around an 
 suspects of a jax-vs-torch gap).
 
     python3 scripts/profile_kernels.py --kernel cross_entropy --match "fwd\\+bwd 8192x128256 liger_(torch|jax)$"
+    ncu --kernel-name _cross_entropy_kernel --launch-skip 2 --launch-count 1 python3 scripts/profile_kernels.py \\
+        --plain --steps 3 --kernel cross_entropy --match "fwd\\+bwd 8192x128256 liger_jax$"
 """
 
 import argparse
@@ -79,6 +81,8 @@ def main():
     parser.add_argument("--kernel", required=True, help="a benchmarks/bench_<kernel>.py module")
     parser.add_argument("--match", required=True, help="regex over the case label 'kernel pass shape provider'")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--plain", action="store_true",
+                        help="only run the steps, without torch.profiler (to run under ncu, which needs CUPTI)")
     args = parser.parse_args()
     module = importlib.import_module(f"benchmarks.bench_{args.kernel}")
     chosen = [c for c in module.cases() if re.search(args.match, c.label)]
@@ -86,6 +90,11 @@ def main():
         sys.exit(f"no case of {args.kernel} matches {args.match!r}")
     for case in chosen:
         run = case.make()
+        if args.plain:
+            for _ in range(args.steps):
+                getattr(run, "prepare", lambda *a: None)(*((1,) if hasattr(run, "compiled") else ()))
+                sync(run())
+            continue
         print_table(case.label, kernel_times(run, args.steps))
         for attr in ("donated", "copy_bytes", "calls_per_run"):
             if hasattr(run, attr):
