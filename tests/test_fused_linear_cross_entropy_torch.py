@@ -272,3 +272,35 @@ def test_weight_gradient_fp32_matmul_path_without_zero_fill(overwrites, monkeypa
                                      (False, True, False), first=i == 0)
     assert calls == [0 if overwrites else 1, 1, 1]
     assert_close(grad_w, dlogits.double().t() @ x.double(), torch.float32, "grad_w", scale=3.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", [None, 1024], ids=["one_chunk", "four_chunks"])
+def test_peak_memory_holds_one_chunk_of_logits(chunk_size):
+    """Peak memory of a forward+backward above the inputs: x's and W's gradients, and either all the logits
+    (one chunk, the default at N <= 2H) or the fp32 dW accumulator with one chunk of logits at a time. Two chunks
+    alive (the previous chunk's logits kept while the next one's matmul allocates) would add 62.5 MiB here."""
+    n, h, v = 4096, 1024, 32000
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda", generator=gen) * 0.05).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+
+    def step():
+        x.grad = w.grad = None
+        liger_torch.fused_linear_cross_entropy(x, w, t, chunk_size=chunk_size).backward()
+
+    step()  # warm-up: kernels compiled, cuBLAS workspace allocated
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    grad_x, grad_w = n * h * 2, v * h * 2
+    if chunk_size is None:  # the logits, overwritten by their gradient, and the bf16 dW written in the forward
+        held = n * v * 2 + grad_w
+    else:  # the accumulator with one chunk (forward), or with its rounded copy (the backward's end)
+        held = v * h * 4 + max(chunk_size * v * 2, grad_w)
+    assert extra <= grad_x + held + 16 * 2**20, f"peak {extra / 2**20:.1f} MiB above the inputs"
