@@ -87,9 +87,9 @@ def test_forward_backward(n, v, reduction, option, dtype, device, seed):
 
 @pytest.mark.parametrize("option", ["plain", "everything"])
 def test_vocab_over_several_blocks(option, device, seed):
-    """V larger than one block: the online softmax rescales across blocks."""
-    assert liger_core.launch.sweep_block_and_warps(10000)[0] < 10000
-    x, t, w, gen = draw(seed, 4, 10000, torch.float32, ignore_fraction=0.0, device=device)
+    """V larger than one block (32003, not a power of two): the online softmax rescales across blocks."""
+    assert liger_core.launch.sweep_block_and_warps(32003)[0] < 32003
+    x, t, w, gen = draw(seed, 4, 32003, torch.float32, ignore_fraction=0.0, device=device)
     opts = dict(OPTIONS[option])
     if opts.pop("weight", False):
         opts["weight"] = w

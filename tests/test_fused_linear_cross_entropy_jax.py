@@ -118,3 +118,22 @@ def test_bad_label_raises_eagerly_and_is_nan_under_jit(seed):
 def test_bad_input(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         liger_jax.fused_linear_cross_entropy(*args, **kwargs)
+
+
+def test_vocab_not_a_power_of_two(seed):
+    """V = 32003: the chunk's kernel sweeps several column blocks, the last one ragged (bf16, one chunk)."""
+    rng = np.random.default_rng(seed)
+    n, h, v = 5, 16, 32003
+    x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.standard_normal((h, v)) * 0.4, jnp.bfloat16)
+    labels = jnp.asarray(rng.integers(0, v, n), jnp.int32).at[1].set(-100)
+    f = lambda a, k: liger_jax.fused_linear_cross_entropy(a, k, labels, label_smoothing=0.1)
+    loss, (dx, dk) = jax.jit(jax.value_and_grad(lambda a, k: f(a, k) * 0.7, argnums=(0, 1)))(x, kernel)
+    with x64():
+        ref = lambda a, k: reference(a, k, labels, label_smoothing=0.1)[0] * 0.7
+        loss_ref, (dx_ref, dk_ref) = jax.value_and_grad(ref, argnums=(0, 1))(x, kernel)
+    assert_close(np.asarray(loss), np.asarray(loss_ref), jnp.bfloat16, "loss")
+    kept = 4  # the mean's gradients are ~1/kept: compare them scaled up
+    assert_close(np.asarray(dx.astype(jnp.float32)) * kept, np.asarray(dx_ref) * kept, jnp.bfloat16, "dx")
+    assert_close(np.asarray(dk.astype(jnp.float32)) * kept, np.asarray(dk_ref) * kept, jnp.bfloat16, "dkernel",
+                 scale=2 * n ** 0.5)

@@ -304,3 +304,24 @@ def test_peak_memory_holds_one_chunk_of_logits(chunk_size):
     else:  # the accumulator with one chunk (forward), or with its rounded copy (the backward's end)
         held = v * h * 4 + max(chunk_size * v * 2, grad_w)
     assert extra <= grad_x + held + 16 * 2**20, f"peak {extra / 2**20:.1f} MiB above the inputs"
+
+
+def test_vocab_not_a_power_of_two(device, seed):
+    """V = 32003: the chunk's kernel sweeps several column blocks, the last one ragged (bf16, one chunk)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, h, v = 5, 16, 32003
+    x = torch.randn(n, h, generator=gen).to(device, torch.bfloat16)
+    w = (torch.randn(v, h, generator=gen) * 0.4).to(device, torch.bfloat16)
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[1] = -100
+    t = t.to(device)
+    # g = 1: the backward's scale moves nothing (g != 1 is test_forward_backward's; here, on 32003 rows of dW
+    # 16 wide, the interpreter would take minutes over the scale kernel's 32003 tiles)
+    g = torch.tensor(1.0, device=device)
+    loss, grads = grads_of(lambda a, c: liger_torch.fused_linear_cross_entropy(a, c, t, label_smoothing=0.1),
+                           (x, w), g)
+    (loss_ref, _), grads_ref = grads_of(lambda a, c: reference(a, c, t, label_smoothing=0.1), (x, w), g.double())
+    assert_close(loss, loss_ref, torch.bfloat16, "loss")
+    kept = 4  # the mean's gradients are ~1/kept: compare them scaled up
+    assert_close(grads[0] * kept, grads_ref[0] * kept, torch.bfloat16, "dx")
+    assert_close(grads[1] * kept, grads_ref[1] * kept, torch.bfloat16, "dweight", scale=2 * n ** 0.5)

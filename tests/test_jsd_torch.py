@@ -56,7 +56,7 @@ def run_reference(s, t, labels, beta, g=0.7, **kwargs):
     return loss, leaf.grad
 
 
-@pytest.mark.parametrize("shape", [(7, 1000), (2, 3, 259)])
+@pytest.mark.parametrize("shape", [(7, 1000), (2, 3, 259), (2, 32003)])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("with_labels", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
