@@ -8,8 +8,8 @@ d loss / d logits over the chunk's logits, then ``grad_x[chunk] = dlogits @ W``,
 weight, of non-ignored targets) are counted over the whole batch first, so every chunk's gradient is already
 that of the full loss.
 
-This module holds what is framework-free: validation, the chunk size (a memory budget, independent of N),
-and the plans each step launches.
+This module holds what is framework-free: validation, the chunking (a memory budget, independent of N
+beyond the weight-sized fp32 accumulator it may replace: :func:`chunking`), and the plans each step launches.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import functools
 from . import cross_entropy as ce
 from .launch import ArrayInfo, ITEMSIZE, Plan, check_float, check_nonempty, next_power_of_2
 
-# Bytes of chunk logits (in the activations' dtype) the loop may hold at once: 512 MiB is 2048 rows of a
-# 128256-token vocabulary in bf16; torch's fp32 weight-gradient accumulation adds one weight-sized buffer.
-# Measured on an H200 at N=8192, H=4096, V=128256 (scripts/tune_flce.py, docs/perf-notes.md): 1024-row chunks
-# 44.1 ms, 2048 41.8, 4096 39.7 (matmul floor 36.6); peak extra memory 3.07 GB up to 2048 rows (the fp32 dW
-# accumulator and its bf16 result dominate), 4.07 GB at 4096.
+# Bytes of chunk logits (in the activations' dtype) the loop may hold at once without an fp32 accumulator (a
+# forward alone, or bf16 accumulation): 512 MiB is 2048 rows of a 128256-token vocabulary in bf16. With one,
+# :func:`chunking` lets a chunk grow to half its bytes, or all rows go as one chunk. Measured on an H200 at
+# H=4096, V=128256 (scripts/tune_flce.py, docs/perf-notes.md, 2026-12-04): N=8192 one chunk 35.2 ms against
+# 40.0 in 2048-row chunks; N=16384 4096-row chunks 77.1 against 80.4; peak 3.07-3.13 GB in every case.
 DEFAULT_WORKSPACE_BYTES = 512 * 2**20
 # Chunks are rounded down to a multiple of this many rows (matmul tiles) when they hold more.
 _ROW_QUANTUM = 64
