@@ -24,7 +24,7 @@ from liger_core import fused_linear_cross_entropy as core
 
 from ._launch import as_array, dtype_name, info, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
-from .cross_entropy import _mapped_over_batch, check_labels, sum_over_shards
+from .cross_entropy import _mapped_over_batch, check_labels, scale_grad_op, sum_over_shards
 
 
 def _logits(xc, kernel, bias, layout, dtype):
@@ -180,7 +180,15 @@ def _outputs(rows, z, static, dtype):
 
 
 def scaled(grad, scale, dtype):
-    """``grad * scale`` (an fp32 scalar) in ``dtype``: the product in fp32 and one rounding (one fused pass)."""
+    """``grad * scale`` (an fp32 scalar, or None for 1) in ``dtype``, the product in fp32 and rounded once. A
+    gradient already in ``dtype`` is scaled in place by the cross-entropy's scale kernel (elementwise, so right
+    under any sharding), which moves nothing for ``jax.grad``'s cotangent of 1; an fp32 accumulator is scaled
+    and rounded in one fused XLA pass."""
+    if scale is None:
+        return grad.astype(dtype)
+    if grad.dtype == dtype:
+        (out,) = scale_grad_op("mean", pointwise=True)(grad, scale)
+        return out
     return (grad.astype(jnp.float32) * scale).astype(dtype)
 
 
@@ -204,7 +212,7 @@ def _flce_bwd(static, residuals, cotangent):
     x, kernel, labels, bias, ce_weight, grads = residuals
     if grads is None:  # reduction='none': run the loop again, the per-row cotangent folded into the kernel
         _, _, grads = _loop(x, kernel, labels, bias, ce_weight, static, True, grad_scale=g.astype(jnp.float32))
-        scale = jnp.float32(1)
+        scale = None
     else:
         scale = g.astype(jnp.float32)
     grad_x, grad_w, grad_b = (None if grad is None else scaled(grad, scale, dtype)
