@@ -278,8 +278,9 @@ def test_weight_gradient_fp32_matmul_path_without_zero_fill(overwrites, monkeypa
 @pytest.mark.parametrize("chunk_size", [None, 1024], ids=["one_chunk", "four_chunks"])
 def test_peak_memory_holds_one_chunk_of_logits(chunk_size):
     """Peak memory of a forward+backward above the inputs: x's and W's gradients, and either all the logits
-    (one chunk, the default at N <= 2H) or the fp32 dW accumulator with one chunk of logits at a time. Two chunks
-    alive (the previous chunk's logits kept while the next one's matmul allocates) would add 62.5 MiB here."""
+    (one chunk: the default here, 250 MiB of logits fit the workspace) or the fp32 dW accumulator with one chunk
+    of logits at a time. Two chunks alive (the previous chunk's logits kept while the next one's matmul
+    allocates) would add 62.5 MiB here."""
     n, h, v = 4096, 1024, 32000
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
