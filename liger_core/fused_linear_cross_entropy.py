@@ -56,22 +56,19 @@ def accumulate_in_fp32(weight_dtype: str, flag: bool | None) -> bool:
     return bool(flag)
 
 
-def fp32_accumulator(n_rows: int, rows: int, weight_dtype: str, accum_fp32: bool) -> bool:
-    """Whether grad_W gets an fp32 accumulator beside it: fp32 accumulation asked for a low-precision weight
-    over more than one chunk. One chunk's grad_W is a single matmul over all rows, summed in fp32 inside it and
-    rounded once to the weight's dtype: the same accumulation, without a W-sized fp32 buffer or its passes."""
-    return accum_fp32 and weight_dtype != "float32" and rows < n_rows
-
-
 def chunking(n_rows: int, vocab: int, hidden: int, dtype: str, weight_dtype: str, chunk_size: int | None,
              accum_fp32: bool, row_bytes: int | None = None,
              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> tuple[int, bool]:
-    """``(rows per chunk, fp32 accumulator?)`` of a fused linear loss's loop. Without ``chunk_size`` all rows go
-    as one chunk when their logits (``row_bytes`` a row: by default one (V,) row in ``dtype``) take no more than
-    the fp32 accumulator that chunking would need (N <= 2H for bf16 cross-entropy logits): the peak is no higher
-    (chunking ends its backward holding the accumulator and the gradient's rounded copy), and the accumulator's
-    read-modify-write passes (~1 ms each at V x H = 128256 x 4096 on an H200) and its rounding pass are gone."""
-    accumulator = vocab * hidden * 4 if accum_fp32 and weight_dtype != "float32" else 0
+    """``(rows per chunk, fp32 accumulator?)`` of a fused linear loss's loop. grad_W gets an fp32 accumulator
+    beside it when fp32 accumulation is asked for a low-precision weight over more than one chunk: one chunk's
+    grad_W is a single matmul over all rows, summed in fp32 inside it and rounded once. Without ``chunk_size``
+    all rows go as one chunk when their logits (``row_bytes`` a row: by default one (V,) row in ``dtype``) take
+    no more than the fp32 accumulator that chunking would need (N <= 2H for bf16 cross-entropy logits): the peak
+    is no higher (chunking ends its backward holding the accumulator and the gradient's rounded copy), and the
+    accumulator's read-modify-write passes (~1 ms each at V x H = 128256 x 4096 on an H200) and its rounding pass
+    are gone."""
+    low_precision_fp32_acc = accum_fp32 and weight_dtype != "float32"
+    accumulator = vocab * hidden * 4 if low_precision_fp32_acc else 0
     row_bytes = vocab * ITEMSIZE[dtype] if row_bytes is None else row_bytes
     if chunk_size is None and n_rows * row_bytes <= accumulator:
         rows = max(1, n_rows)
@@ -82,7 +79,7 @@ def chunking(n_rows: int, vocab: int, hidden: int, dtype: str, weight_dtype: str
             # chunk) than the backward's end (accumulator + the gradient's rounded copy), and fewer, longer
             # chunks pass over the accumulator fewer times
             rows = min(n_rows, max(rows, quantized_rows(accumulator // 2 // row_bytes)))
-    return rows, fp32_accumulator(n_rows, rows, weight_dtype, accum_fp32)
+    return rows, low_precision_fp32_acc and rows < n_rows
 
 
 DTYPE_REMEDY = "cast them to one dtype"

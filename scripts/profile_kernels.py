@@ -24,16 +24,10 @@ def kernel_times(run, steps):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    # jax runners' prepare(n) makes n donated copies ahead; torch runners' prepare() restores overwritten inputs,
-    # done once here (a step on overwritten inputs moves the same bytes) so no restore copy is profiled
-    prepare = getattr(run, "prepare", None)
-    takes_n = prepare is not None and prepare.__code__.co_argcount > 0
     for _ in range(2):
-        if prepare:
-            prepare(1) if takes_n else prepare()
+        prepare(run, 1)
         sync(run())
-    if prepare:
-        prepare(steps) if takes_n else prepare()
+    prepare(run, steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             sync(run())
@@ -44,6 +38,19 @@ def kernel_times(run, steps):
             totals[event.name][0] += 1
             totals[event.name][1] += event.device_time
     return {name: (calls / steps, us / steps) for name, (calls, us) in totals.items()}
+
+
+def prepare(run, steps):
+    """Inputs ready for ``steps`` runs: jax runners' ``prepare(n)`` makes n donated copies ahead; torch runners'
+    ``prepare()`` restores overwritten inputs, once (a step on overwritten inputs moves the same bytes), so no
+    restore copy is profiled."""
+    fn = getattr(run, "prepare", None)
+    if fn is None:
+        return
+    if fn.__code__.co_argcount > 0:
+        fn(steps)
+    else:
+        fn()
 
 
 def sync(out):
@@ -92,7 +99,7 @@ def main():
         run = case.make()
         if args.plain:
             for _ in range(args.steps):
-                getattr(run, "prepare", lambda *a: None)(*((1,) if hasattr(run, "compiled") else ()))
+                prepare(run, 1)
                 sync(run())
             continue
         print_table(case.label, kernel_times(run, args.steps))
