@@ -19,9 +19,11 @@ from helpers import as_numpy, to_torch
 TOL = {"float32": 2e-6, "bfloat16": 1.6e-2}
 
 
+# chunk None: the default, one chunk here (no fp32 dW accumulator); 8: four chunks and the accumulator
+@pytest.mark.parametrize("chunk_size", [8, None])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_linear_cross_entropy_parity(reduction, dtype, device, seed):
+def test_fused_linear_cross_entropy_parity(chunk_size, reduction, dtype, device, seed):
     rng = np.random.default_rng(seed)
     n, h, v = 29, 16, 259
     x = np.asarray(rng.standard_normal((n, h)), jnp.dtype(dtype))
@@ -30,7 +32,7 @@ def test_fused_linear_cross_entropy_parity(reduction, dtype, device, seed):
     labels = rng.integers(0, v, n).astype(np.int32)
     labels[rng.random(n) < 0.3] = -100
     g = np.asarray(rng.standard_normal(n) if reduction == "none" else 0.7, np.float32)  # the loss is fp32
-    opts = dict(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0, chunk_size=8)
+    opts = dict(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0, chunk_size=chunk_size)
 
     xt, wt, bt = (to_torch(a, device).requires_grad_(True) for a in (x, w, b))
     loss_t = liger_torch.fused_linear_cross_entropy(xt, wt, to_torch(labels, device).long(), bt, **opts)

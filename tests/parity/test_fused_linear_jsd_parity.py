@@ -22,9 +22,11 @@ from test_cross_entropy_parity import as_numpy, to_torch
 TOL = {"float32": 2e-6, "bfloat16": 1.6e-2}
 
 
-@pytest.mark.parametrize("beta,with_labels,dtype", [
-    (0.0, True, "float32"), (0.5, False, "float32"), (1.0, True, "bfloat16"), (0.5, True, "bfloat16")])
-def test_fused_linear_jsd_parity(beta, with_labels, dtype, device, seed):
+# chunk None: the default, one chunk here (no fp32 dW accumulator); 8: four chunks and the accumulator
+@pytest.mark.parametrize("beta,with_labels,dtype,chunk_size", [
+    (0.0, True, "float32", 8), (0.5, False, "float32", 8), (1.0, True, "bfloat16", 8), (0.5, True, "bfloat16", 8),
+    (0.5, True, "bfloat16", None)])
+def test_fused_linear_jsd_parity(beta, with_labels, dtype, chunk_size, device, seed):
     rng = np.random.default_rng(seed)
     n, hs, ht, v = 29, 16, 12, 259
     xs = np.asarray(rng.standard_normal((n, hs)), jnp.dtype(dtype))
@@ -36,7 +38,7 @@ def test_fused_linear_jsd_parity(beta, with_labels, dtype, device, seed):
     labels[0] = 1
     labels = labels if with_labels else None
     g = np.asarray(0.7, jnp.dtype(dtype))
-    opts = dict(beta=beta, temperature=1.5, chunk_size=8)
+    opts = dict(beta=beta, temperature=1.5, chunk_size=chunk_size)
 
     xst, wst = (to_torch(a, device).requires_grad_(True) for a in (xs, ws))
     loss_t = liger_torch.fused_linear_jsd(xst, wst, to_torch(xt, device), to_torch(wt, device),
