@@ -56,12 +56,21 @@ def accumulate_in_fp32(weight_dtype: str, flag: bool | None) -> bool:
     return bool(flag)
 
 
+def is_master_weight(weight_dtype: str, dtype: str) -> bool:
+    """Whether a weight of ``weight_dtype`` is an fp32 master weight used in the matmuls of low-precision
+    activations (``torch.autocast``; Flax's ``param_dtype=float32`` with ``dtype=bfloat16``). The loop then
+    casts it once to the activations' dtype and accumulates its gradient in fp32 straight into a gradient of
+    the weight's own dtype: no accumulator beside it, no low-precision gradient to cast back, one rounding."""
+    return weight_dtype == "float32" and dtype in ("bfloat16", "float16")
+
+
 def chunking(n_rows: int, vocab: int, hidden: int, dtype: str, weight_dtype: str, chunk_size: int | None,
              accum_fp32: bool, row_bytes: int | None = None,
              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> tuple[int, bool]:
     """``(rows per chunk, fp32 accumulator?)`` of a fused linear loss's loop. grad_W gets an fp32 accumulator
     beside it when fp32 accumulation is asked for a low-precision weight over more than one chunk: one chunk's
-    grad_W is a single matmul over all rows, summed in fp32 inside it and rounded once. Without ``chunk_size``
+    grad_W is a single matmul over all rows, summed in fp32 inside it and rounded once (an fp32 master weight's
+    gradient is its own fp32 accumulator: chunks of ``workspace_bytes`` then). Without ``chunk_size``
     all rows go as one chunk when their logits (``row_bytes`` a row: by default one (V,) row in ``dtype``) take
     no more than the fp32 accumulator that chunking would need (N <= 2H for bf16 cross-entropy logits): the peak
     is no higher (chunking ends its backward holding the accumulator and the gradient's rounded copy), and the
@@ -93,10 +102,13 @@ def _check_dtype_of_x(a: ArrayInfo, name: str, x: ArrayInfo, x_name: str, remedy
 
 def check_inputs(x: ArrayInfo, weight: ArrayInfo, target: ArrayInfo, bias: ArrayInfo | None,
                  ce_weight: ArrayInfo | None, *, layout: str = "vh", x_name: str = "x", weight_name: str = "weight",
-                 target_name: str = "target", bias_name: str = "bias", dtype_remedy: str = DTYPE_REMEDY) -> int:
+                 target_name: str = "target", bias_name: str = "bias", dtype_remedy: str = DTYPE_REMEDY,
+                 master_weight_ok: bool = False) -> int:
     """Validate shapes and dtypes; returns the vocabulary size V. ``layout`` is weight's: "vh" (torch's
     ``nn.Linear`` / ``nn.Embedding``, (V, H)) or "hv" (Flax ``nnx.Linear`` kernel, (H, V)). ``dtype_remedy``
-    ends the message of a weight or bias whose dtype is not x's (a frontend names its own way out)."""
+    ends the message of a weight or bias whose dtype is not x's (a frontend names its own way out).
+    ``master_weight_ok``: the weight may also be an fp32 master weight of a bf16/fp16 x
+    (:func:`is_master_weight`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     check_nonempty(x, x_name)
@@ -108,7 +120,8 @@ def check_inputs(x: ArrayInfo, weight: ArrayInfo, target: ArrayInfo, bias: Array
         raise ValueError(f"{weight_name} must have shape {expect} with H={hidden} (x's last dimension), "
                          f"got {weight.shape}")
     vocab = weight.shape[0 if layout == "vh" else 1]
-    _check_dtype_of_x(weight, weight_name, x, x_name, dtype_remedy)
+    if not (master_weight_ok and is_master_weight(weight.dtype, x.dtype)):
+        _check_dtype_of_x(weight, weight_name, x, x_name, dtype_remedy)
     if bias is not None:
         check_float(bias, bias_name)
         if tuple(bias.shape) != (vocab,):

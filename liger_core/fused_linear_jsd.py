@@ -57,13 +57,16 @@ def check_options(*, beta, ignore_index, temperature) -> None:
 def check_inputs(student_x: ArrayInfo, student_w: ArrayInfo, teacher_x: ArrayInfo, teacher_w: ArrayInfo,
                  labels: ArrayInfo | None, *, layout: str = "vh", student_x_name: str = "student_input",
                  student_w_name: str = "student_weight", teacher_x_name: str = "teacher_input",
-                 teacher_w_name: str = "teacher_weight", labels_name: str = "labels") -> int:
+                 teacher_w_name: str = "teacher_weight", labels_name: str = "labels",
+                 master_weight_ok: bool = False) -> int:
     """Validate shapes and dtypes; returns the vocabulary size V. ``layout`` is both heads': "vh" (torch's
-    (V, H)) or "hv" (Flax kernel, (H, V)). Each head has its input's dtype; student and teacher may differ."""
+    (V, H)) or "hv" (Flax kernel, (H, V)). Each head has its input's dtype; student and teacher may differ.
+    ``master_weight_ok``: the student head may be an fp32 master weight of a bf16/fp16 student input."""
     # the fused linear cross-entropy's checks of one (x, weight) pair; a stand-in target when there are no labels
     rows_target = labels if labels is not None else ArrayInfo.contiguous(student_x.shape[:-1], "int64")
     vocab = flce.check_inputs(student_x, student_w, rows_target, None, None, layout=layout, x_name=student_x_name,
-                              weight_name=student_w_name, target_name=labels_name)
+                              weight_name=student_w_name, target_name=labels_name,
+                              master_weight_ok=master_weight_ok)
     if tuple(teacher_x.shape[:-1]) != tuple(student_x.shape[:-1]):
         raise ValueError(f"{teacher_x_name} must have {student_x_name}'s leading shape "
                          f"{tuple(student_x.shape[:-1])} (one teacher row per student row), got {teacher_x.shape}")

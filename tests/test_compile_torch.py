@@ -50,6 +50,14 @@ class LinearCE(torch.nn.Module):
         return self.loss(self.head.weight, x, target, self.head.bias)
 
 
+class AutocastLinearCE(LinearCE):
+    """LinearCE under torch.autocast(bf16): its fp32 head is a master weight (cast inside the op)."""
+
+    def forward(self, x, target):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return super().forward(x, target)
+
+
 class LinearJSD(torch.nn.Module):
     """Student and (frozen) teacher heads and the fused linear JSD."""
 
@@ -139,6 +147,11 @@ def case_fused_linear_cross_entropy(gen):
 def case_fused_linear_cross_entropy_none(gen):
     module = LinearCE(16, 123, reduction="none", lse_square_scale=0.01, return_z_loss=True, chunk_size=4)
     return module, [randn(gen, 2, 7, 16), targets(gen, (2, 7), 123)], "fused_linear_cross_entropy_forward"
+
+
+def case_fused_linear_cross_entropy_autocast_master_weight(gen):
+    return AutocastLinearCE(16, 123, bias=True, chunk_size=3), [randn(gen, 2, 7, 16), targets(gen, (2, 7), 123)], \
+        "fused_linear_cross_entropy_forward"
 
 
 def case_kl_div(gen):

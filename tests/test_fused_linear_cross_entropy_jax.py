@@ -64,6 +64,34 @@ def test_forward_and_grads_under_jit(reduction, dtype, chunk, seed):
                      scale=widen if dtype == jnp.float32 else 2 * widen)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp32_master_kernel(reduction, seed):
+    """dtype=bfloat16 with an fp32 kernel (Flax's param_dtype=float32): bf16 matmuls of cast copies, the
+    kernel's gradient accumulated in fp32 straight into its fp32 gradient, never rounded to bf16."""
+    x, kernel, labels, bias, _, rng = draw(seed, jnp.float32)
+    probe = jnp.asarray(rng.standard_normal(N) if reduction == "none" else 0.7, jnp.float32)
+
+    def ours(a, k, b):
+        loss = liger_jax.fused_linear_cross_entropy(a, k, labels, b, chunk_size=CHUNK, reduction=reduction,
+                                                    dtype=jnp.bfloat16)
+        return jnp.sum(loss * probe)
+
+    loss, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(x, kernel, bias)
+    bf16 = [a.astype(jnp.bfloat16) for a in (x, kernel, bias)]
+    with x64():
+        loss_ref, grads_ref = jax.value_and_grad(
+            lambda a, k, b: jnp.sum(reference(a, k, labels, b, reduction=reduction)[0] * probe),
+            argnums=(0, 1, 2))(*bf16)
+    assert_close(np.asarray(loss), np.asarray(loss_ref), jnp.bfloat16, "loss")
+    scale = N if reduction == "mean" else 1.0
+    for name, got, want in zip(("dx", "dkernel", "dbias"), grads, grads_ref):
+        assert got.dtype == jnp.float32, name
+        widen = 1.0 if name == "dx" else N ** 0.5
+        assert_close(np.asarray(got) * scale, np.asarray(want) * scale, jnp.bfloat16, name, scale=2 * widen)
+    dk = grads[1]
+    assert bool(jnp.any(dk != dk.astype(jnp.bfloat16).astype(jnp.float32))), "the gradient went through bf16"
+
+
 def test_tied_embedding_layout_and_leading_axes(seed):
     """transpose=True takes a (V, H) matrix (nnx.Embed.embedding); x and labels may have leading axes."""
     x, kernel, labels, _, _, rng = draw(seed, jnp.float32, n=3 * 6)
@@ -108,6 +136,8 @@ def test_bad_label_raises_eagerly_and_is_nan_under_jit(seed):
      ValueError, r"kernel must have shape \(V, H\)"),
     ((np.ones((4, 8), np.float32), np.ones((8, 10), np.float16), np.zeros(4, np.int32)), {}, TypeError,
      "kernel must have x's dtype"),
+    ((jnp.ones((4, 8), jnp.bfloat16), np.ones((8, 10), np.float32), np.zeros(4, np.int32)), {}, TypeError,
+     "kernel must have x's dtype bfloat16, got float32; .* pass dtype="),
     ((np.ones((4, 8), np.float32), np.ones((8, 10), np.float32), np.zeros(5, np.int32)), {}, ValueError,
      "labels must have shape"),
     ((np.ones((4, 8), np.float32), np.ones((8, 10), np.float32), np.zeros(4, np.int32)),

@@ -230,7 +230,7 @@ def test_weight_gradient_first_chunk_overwrites_unset_memory(weight_dtype, accum
     weight = torch.randn(37, 16, generator=gen).to(device, weight_dtype)
     x = torch.randn(23, 16, generator=gen).to(device, weight_dtype)
     dlogits = torch.randn(23, 37, generator=gen).to(device, weight_dtype)
-    grad_w, grad_w_tmp = weight_grad_buffers(weight, accum_fp32)
+    grad_w, grad_w_tmp = weight_grad_buffers(weight, weight_dtype, accum_fp32)
     assert grad_w.dtype == (torch.float32 if accum_fp32 else weight_dtype)
     grad_w.fill_(float("nan"))
     for i, (start, stop) in enumerate(((0, 8), (8, 16), (16, 23))):
@@ -264,7 +264,7 @@ def test_weight_gradient_fp32_matmul_path_without_zero_fill(overwrites, monkeypa
     weight = torch.randn(37, 16, generator=gen).bfloat16()
     x = torch.randn(23, 16, generator=gen).bfloat16()
     dlogits = torch.randn(23, 37, generator=gen).bfloat16()
-    grad_w, grad_w_tmp = flce.weight_grad_buffers(weight, True)
+    grad_w, grad_w_tmp = flce.weight_grad_buffers(weight, weight.dtype, True)
     assert grad_w_tmp is None and grad_w.dtype == torch.float32
     grad_w.fill_(float("nan"))
     for i, (start, stop) in enumerate(((0, 8), (8, 16), (16, 23))):
@@ -305,6 +305,66 @@ def test_peak_memory_holds_one_chunk_of_logits(chunk_size):
     else:  # the accumulator with one chunk (forward), or with its rounded copy (the backward's end)
         held = v * h * 4 + max(chunk_size * v * 2, grad_w)
     assert extra <= grad_x + held + 16 * 2**20, f"peak {extra / 2**20:.1f} MiB above the inputs"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("chunk", [CHUNK, None])
+def test_autocast_fp32_master_weight(reduction, chunk, device, seed):
+    """Mixed precision (fp32 parameters, torch.autocast to bf16): the logits are bf16 matmuls of bf16 copies, as
+    F.linear's under autocast, but the weight's gradient is accumulated in fp32 straight into its fp32
+    gradient: never rounded to bf16 (a bf16 gradient cast back would hold bf16 values only)."""
+    x, w, b, t, _, gen = draw(seed, torch.float32, device=device)
+    g = (torch.randn(N, generator=gen) if reduction == "none" else torch.tensor(0.7)).to(device)
+
+    def fused(a, c, d):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return liger_torch.fused_linear_cross_entropy(a, c, t, d, reduction=reduction, chunk_size=chunk)
+
+    loss, grads = grads_of(fused, (x, w, b), g)
+    (loss_ref, _), grads_ref = grads_of(
+        lambda a, c, d: reference(a.bfloat16(), c.bfloat16(), t, d.bfloat16(), reduction=reduction), (x, w, b),
+        g.double())
+    assert loss.dtype == torch.float32
+    assert_close(loss, loss_ref, torch.bfloat16, "loss")
+    scale = N if reduction == "mean" else 1.0
+    for name, got, want in zip(("dx", "dweight", "dbias"), grads, grads_ref):
+        assert got.dtype == torch.float32, name
+        widen = 1.0 if name == "dx" else N ** 0.5
+        assert_close(got * scale, want * scale, torch.bfloat16, name, scale=2 * widen)
+    dw = grads[1]
+    if chunk is not None:  # chunks summed in fp32 (one chunk's matmul is rounded to bf16 where the device,
+        # like the CPU, has no bf16 matmul with an fp32 output: weight_grad_buffers' scratch)
+        assert (dw != dw.bfloat16().float()).any(), "the master weight's gradient went through bf16"
+
+
+@pytest.mark.gpu
+def test_peak_memory_of_a_master_weight():
+    """Under autocast with an fp32 weight: its bf16 copy, its fp32 gradient (the accumulator itself) and one
+    chunk of logits, and nothing W-sized more (a bf16 gradient cast back, or an accumulator beside the
+    gradient, would add 62.5-125 MiB here)."""
+    n, h, v, chunk = 4096, 1024, 32000, 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda", generator=gen) * 0.05).requires_grad_(True)
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+
+    def step():
+        x.grad = w.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = liger_torch.fused_linear_cross_entropy(x, w, t, chunk_size=chunk)
+        loss.backward()
+
+    step()
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert w.grad.dtype == torch.float32
+    held = n * h * 2 + v * h * 4 + v * h * 2 + chunk * v * 2  # dx, fp32 dW, W's bf16 copy, one chunk
+    assert extra <= held + 16 * 2**20, f"peak {extra / 2**20:.1f} MiB above the inputs"
 
 
 def test_vocab_not_a_power_of_two(device, seed):

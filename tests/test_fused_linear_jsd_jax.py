@@ -63,6 +63,27 @@ def test_forward_and_grads_under_jit(beta, with_labels, temperature, transpose, 
                  scale=widen * N ** 0.5)
 
 
+def test_fp32_master_kernel(seed):
+    """dtype=bfloat16 with fp32 kernels and inputs: bf16 matmuls of cast copies; the student kernel's gradient
+    accumulated in fp32 straight into its fp32 gradient (never rounded to bf16)."""
+    xs, ks, xt, kt, labels = draw(seed, jnp.float32)
+    loss, (dx, dk) = jax.jit(jax.value_and_grad(
+        lambda a, k: liger_jax.fused_linear_jsd(a, k, xt, kt, labels, temperature=1.5, chunk_size=CHUNK,
+                                                dtype=jnp.bfloat16).astype(jnp.float32) * 0.7, (0, 1)))(xs, ks)
+    bf16 = [a.astype(jnp.bfloat16) for a in (xs, ks, xt, kt)]
+    want = reference(*bf16, labels, temperature=1.5)
+    with x64():
+        dx_ref, dk_ref = jax.grad(lambda a, k: reference(a, k, bf16[2], bf16[3], labels, temperature=1.5) * 0.7,
+                                  (0, 1))(bf16[0], bf16[1])
+    assert_close(np.asarray(loss), np.asarray(want) * 0.7, jnp.bfloat16, "loss", scale=4.0)
+    count = int((labels != -100).sum())
+    assert dx.dtype == jnp.float32 and dk.dtype == jnp.float32
+    assert_close(np.asarray(dx) * count, np.asarray(dx_ref) * count, jnp.bfloat16, "dstudent_input", scale=2.0)
+    assert_close(np.asarray(dk) * count, np.asarray(dk_ref) * count, jnp.bfloat16, "dstudent_kernel",
+                 scale=2.0 * N ** 0.5)
+    assert bool(jnp.any(dk != dk.astype(jnp.bfloat16).astype(jnp.float32))), "the gradient went through bf16"
+
+
 def test_teacher_in_another_dtype(seed):
     """A bf16 student against an fp32 teacher: the kernel reads each head's logits in its own dtype."""
     xs, ks, _, _, labels = draw(seed, jnp.bfloat16)

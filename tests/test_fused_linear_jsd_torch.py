@@ -62,6 +62,29 @@ def test_forward_backward(beta, with_labels, temperature, dtype, device, seed):
         assert_close(got * count, want * count, dtype, name, scale=widen if dtype == torch.float32 else 2 * widen)
 
 
+def test_autocast_fp32_master_weight(device, seed):
+    """fp32 heads under torch.autocast(bf16): bf16 logits, as F.linear's; the student head's gradient is
+    accumulated in fp32 straight into its fp32 gradient (never rounded to bf16), the teacher is cast."""
+    xs, ws, xt, wt, labels = draw(seed, torch.float32, device=device)
+
+    def fused(a, b):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return liger_torch.fused_linear_jsd(a, b, xt, wt, labels, temperature=2.0, chunk_size=CHUNK)
+
+    g = torch.tensor(0.7, device=device)
+    loss, grads = grads_of(fused, (xs, ws), g)
+    loss_ref, grads_ref = grads_of(lambda a, b: reference(a.bfloat16(), b.bfloat16(), xt.bfloat16(), wt.bfloat16(),
+                                                          labels, temperature=2.0), (xs, ws), g.double())
+    assert loss.dtype == torch.bfloat16  # the student's (autocast) dtype
+    assert_close(loss, loss_ref, torch.bfloat16, "loss", scale=4.0)
+    count = int((labels != -100).sum())
+    for name, got, want in zip(("dstudent_input", "dstudent_weight"), grads, grads_ref):
+        assert got.dtype == torch.float32, name
+        widen = 1.0 if name == "dstudent_input" else N ** 0.5
+        assert_close(got * count, want * count, torch.bfloat16, name, scale=2 * widen)
+    assert (grads[1] != grads[1].bfloat16().float()).any(), "the master weight's gradient went through bf16"
+
+
 def test_default_chunking_matches_explicit_chunks(device, seed):
     xs, ws, xt, wt, labels = draw(seed, torch.float32, device=device)
     outs = [grads_of(lambda a, b: liger_torch.fused_linear_jsd(a, b, xt, wt, labels, beta=0.3, temperature=1.5,

@@ -72,7 +72,8 @@ def _chunk_loop(x, kernel, labels, bias, ce_weight, static, compute_grad, grad_s
     plan = core.chunk_plan(rows, vocab, dtype, dtype_name(labels.dtype), optional_info(ce_weight),
                            compute_grad=compute_grad,
                            grad_scale_dtype=None if grad_scale is None else dtype_name(grad_scale.dtype), **opts)
-    acc_dtype = jnp.float32 if fp32_acc else kernel.dtype
+    acc_dtype = jnp.float32 if fp32_acc else kernel.dtype  # an fp32 master kernel's: its gradient accumulates
+    kernel = kernel.astype(x.dtype)  # the matmuls' copy of a master kernel (else itself)
 
     def body(carry, chunk):
         xc, lc, gc = chunk
@@ -192,6 +193,19 @@ def scaled(grad, scale, dtype):
     return (grad.astype(jnp.float32) * scale).astype(dtype)
 
 
+DTYPE_REMEDY = ("cast them to one dtype, or pass dtype= (Flax's dtype: the matmuls' dtype; an fp32 kernel then "
+                "stays the fp32 master of its gradient)")
+
+
+def in_matmul_dtype(dtype, x, kernel, bias=None):
+    """``(x, kernel, bias)`` for matmuls in ``dtype``: x and bias cast to it, the kernel too unless it is an fp32
+    master kernel of a bf16/fp16 ``dtype`` (the loop casts that one itself)."""
+    dtype = jnp.dtype(dtype)
+    if not core.is_master_weight(dtype_name(kernel.dtype), dtype_name(dtype)):
+        kernel = kernel.astype(dtype)
+    return x.astype(dtype), kernel, None if bias is None else bias.astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flce(x, kernel, labels, bias, ce_weight, static):
     rows, z, _ = _loop(x, kernel, labels, bias, ce_weight, static, False)
@@ -227,7 +241,7 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
                                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                                lse_square_scale: float = 0.0, softcap: float | None = None,
                                return_z_loss: bool = False, chunk_size: int | None = None,
-                               accum_dtype_fp32: bool | None = None):
+                               accum_dtype_fp32: bool | None = None, dtype=None):
     """``cross_entropy(x @ kernel + bias, labels)`` for x (..., H) and a Flax ``nnx.Linear`` kernel (H, V),
     without materialising the (N, V) logits. ``transpose=True`` takes a (V, H) matrix instead, used as
     ``x @ kernel.T`` (a tied ``nnx.Embed.embedding``).
@@ -238,7 +252,11 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
     accumulator then, the weight gradient is one matmul summed in fp32 and rounded once). ``ce_weight`` is the class
     weight; the other options are :func:`liger_jax.cross_entropy`'s (labels checked when concrete; under
     ``jit`` a bad label makes the loss NaN). ``accum_dtype_fp32``: accumulate the kernel's gradient in fp32
-    (default: on for bf16/fp16 kernels). Differentiable in x, kernel and bias. The loss (and z-loss) is fp32
+    (default: on for bf16/fp16 kernels). ``dtype``: the matmuls' dtype, as Flax's ``dtype`` (default: x's,
+    and the kernel must have it): x and bias are cast to it, and the kernel too unless it is an fp32 kernel of a
+    bf16/fp16 ``dtype`` (``param_dtype=float32``): that master kernel is cast once inside the loop and its
+    gradient accumulated in fp32 straight into the fp32 gradient (no accumulator beside it, no bf16 gradient
+    cast back; chunks of the default workspace whatever N). Differentiable in x, kernel and bias. The loss (and z-loss) is fp32
     whatever x's dtype, as the fp32 losses of HF's loss functions and Liger-Kernel: a bf16 loss near 12 would
     be rounded to multiples of 1/16.
     """
@@ -248,10 +266,13 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
     bias = None if bias is None else as_array("bias", bias)
     ce_weight = None if ce_weight is None else as_array("ce_weight", ce_weight)
     layout = "vh" if transpose else "hv"
+    if dtype is not None:
+        x, kernel, bias = in_matmul_dtype(dtype, x, kernel, bias)
     ce_core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                           lse_square_scale=lse_square_scale, softcap=softcap)
     vocab = core.check_inputs(info(x), info(kernel), info(labels), optional_info(bias), optional_info(ce_weight),
-                              layout=layout, weight_name="kernel", target_name="labels")
+                              layout=layout, weight_name="kernel", target_name="labels",
+                              dtype_remedy=DTYPE_REMEDY, master_weight_ok=dtype is not None)
     core.chunk_rows(1, vocab, dtype_name(x.dtype), chunk_size)  # validates chunk_size
     check_labels(labels, vocab, ignore_index)
     opts = dict(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),

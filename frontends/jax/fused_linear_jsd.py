@@ -26,7 +26,7 @@ from liger_core import fused_linear_jsd as core
 from ._launch import as_array, dtype_name, info, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch
-from .fused_linear_cross_entropy import scaled, scan_from_first_chunk, sum_rows
+from .fused_linear_cross_entropy import in_matmul_dtype, scaled, scan_from_first_chunk, sum_rows
 
 
 def _logits(xc, kernel, layout):
@@ -61,7 +61,8 @@ def _chunk_loop(xs, ws, xt, wt, labels, static, compute_grad, shards=None):
                            None if labels is None else dtype_name(labels.dtype), beta=opts["beta"],
                            ignore_index=opts["ignore_index"], n_total_rows=n_total, temperature=opts["temperature"],
                            compute_grad=compute_grad)
-    acc_dtype = jnp.float32 if fp32_acc else ws.dtype
+    acc_dtype = jnp.float32 if fp32_acc else ws.dtype  # an fp32 master kernel's: its gradient accumulates
+    ws = ws.astype(xs.dtype)  # the matmuls' copy of a master kernel (else itself)
 
     def body(gw, chunk):
         xsc, xtc, lc = chunk
@@ -142,7 +143,7 @@ _fljsd.defvjp(_fljsd_fwd, _fljsd_bwd)
 
 def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kernel, labels=None, *,
                      transpose: bool = False, beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
-                     chunk_size: int | None = None, accum_dtype_fp32: bool | None = None):
+                     chunk_size: int | None = None, accum_dtype_fp32: bool | None = None, dtype=None):
     """:func:`liger_jax.jsd` of ``log_softmax(student_input @ student_kernel / temperature)`` (student) and
     ``log_softmax(teacher_input @ teacher_kernel / temperature)`` (teacher), without materialising either
     (N, V) logits tensor.
@@ -155,7 +156,9 @@ def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kerne
     fit the student's (rows, V) logits in ``liger_core.fused_linear_jsd.WORKSPACE_BYTES``, the teacher's as many
     again); the logits are in the inputs' dtypes and their log-softmax is taken in fp32 inside the kernel.
     ``accum_dtype_fp32``: accumulate the student kernel's gradient in fp32 (default: on for bf16/fp16
-    kernels). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_kernel``; the
+    kernels). ``dtype``: the matmuls' dtype, as Flax's ``dtype`` (default: the inputs' own): both inputs and
+    kernels are cast to it, except an fp32 student kernel of a bf16/fp16 ``dtype``, a master kernel (see
+    :func:`liger_jax.fused_linear_cross_entropy`). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_kernel``; the
     teacher is a constant (zero cotangents).
     """
     xs = as_array("student_input", student_input)
@@ -164,9 +167,13 @@ def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kerne
     wt = as_array("teacher_kernel", teacher_kernel)
     labels = None if labels is None else as_array("labels", labels)
     layout = "vh" if transpose else "hv"
+    if dtype is not None:
+        xs, ws, _ = in_matmul_dtype(dtype, xs, ws)
+        xt, wt = xt.astype(dtype), wt.astype(dtype)
     core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
     vocab = core.check_inputs(info(xs), info(ws), info(xt), info(wt), optional_info(labels), layout=layout,
-                              student_w_name="student_kernel", teacher_w_name="teacher_kernel")
+                              student_w_name="student_kernel", teacher_w_name="teacher_kernel",
+                              master_weight_ok=dtype is not None)
     core.chunk_rows(1, vocab, dtype_name(xs.dtype), chunk_size)  # validates chunk_size
     opts = _FrozenDict(beta=float(beta), ignore_index=int(ignore_index), temperature=float(temperature))
     accum_fp32 = core.accumulate_in_fp32(dtype_name(ws.dtype), accum_dtype_fp32)

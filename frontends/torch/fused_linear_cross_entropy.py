@@ -65,16 +65,21 @@ def _probe_operands(device, dtype):
     return a, b, torch.randn(64, 48, device=device, generator=gen)
 
 
-def weight_grad_buffers(weight: torch.Tensor, fp32_acc: bool):
+def weight_grad_buffers(weight: torch.Tensor, dtype: torch.dtype, fp32_acc: bool):
     """``(grad_w, grad_w_tmp)``: the dW accumulator (fp32 with ``fp32_acc``, see
-    :func:`liger_core.fused_linear_cross_entropy.chunking`; left unset: the first chunk overwrites it, see
-    :func:`accumulate_linear_grads`) and, only where the device cannot add a low-precision matmul into fp32 in
-    place, a scratch of W's size for one chunk's dW."""
+    :func:`liger_core.fused_linear_cross_entropy.chunking`, else the weight's dtype, fp32 for a master weight;
+    left unset: the first chunk overwrites it, see :func:`accumulate_linear_grads`) and, only where the device
+    cannot add a matmul of ``dtype`` operands into fp32 in place, a scratch of W's size for one chunk's dW."""
     grad_w = torch.empty(weight.shape, dtype=torch.float32 if fp32_acc else weight.dtype, device=weight.device)
-    mixed = fp32_acc and weight.dtype != torch.float32
-    if mixed and not _addmm_accumulates_in_fp32(weight.device, weight.dtype):
-        return grad_w, torch.empty_like(weight)
+    if grad_w.dtype != dtype and not _addmm_accumulates_in_fp32(weight.device, dtype):
+        return grad_w, torch.empty(weight.shape, dtype=dtype, device=weight.device)
     return grad_w, None
+
+
+def matmul_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in the activations' ``dtype`` for the loop's matmuls: itself, or an fp32 master weight's
+    copy (made once per loop, as autocast's ``F.linear`` makes one)."""
+    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 def accumulate_linear_grads(dlogits, x_chunk, weight, grad_x_chunk, grad_w, grad_w_tmp, need,
@@ -128,7 +133,8 @@ def _chunk_loop(x, weight, target, bias, ce_weight, opts, chunk_size, accum_fp32
     grad_x = torch.empty_like(x) if need[0] else None
     grad_w = grad_w_tmp = grad_b = None
     if need[1]:
-        grad_w, grad_w_tmp = weight_grad_buffers(weight, fp32_acc)
+        grad_w, grad_w_tmp = weight_grad_buffers(weight, x.dtype, fp32_acc)
+    weight = matmul_weight(weight, x.dtype)
     if need[2]:
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device)
     losses, z_losses = [], []
@@ -354,22 +360,32 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     weight; the other options are :func:`liger_torch.cross_entropy`'s (same semantics and the same eager,
     host-syncing target check). ``accum_dtype_fp32``: accumulate the weight gradient over chunks in fp32
     (default: on for bf16/fp16 weights). Under ``torch.autocast`` x, weight and bias are cast to the autocast
-    dtype first, as ``F.linear`` would. The loss (and z-loss) is fp32 whatever x's dtype, as HF's loss functions
+    dtype first, as ``F.linear`` would, except an fp32 weight (mixed precision's master weight): the loop casts
+    it once and accumulates its gradient in fp32 straight into the fp32 gradient (no accumulator beside it, no
+    bf16 gradient cast back; the chunks then hold the default workspace whatever N). The loss (and z-loss) is fp32 whatever x's dtype, as HF's loss functions
     and Liger-Kernel return it (a bf16 loss near 12 would be rounded to multiples of 1/16); the logits chunks
     are in x's dtype (like an lm_head output) and upcast to fp32 inside the kernel.
     """
     check_tensors(x=x, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
+    args = (ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
+            chunk_size, accum_dtype_fp32)
     dtype = autocast_dtype(x)
-    if dtype is not None:  # logits in the autocast dtype, as F.linear's; gradients arrive in each input's dtype
-        with torch.autocast(x.device.type, enabled=False):
-            return fused_linear_cross_entropy(
-                x.to(dtype), weight.to(dtype), target, None if bias is None else bias.to(dtype), ce_weight,
-                ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss, chunk_size,
-                accum_dtype_fp32)
+    if dtype is None:
+        return _fused_linear_cross_entropy(x, weight, target, bias, *args)
+    # logits in the autocast dtype, as F.linear's; gradients arrive in each input's dtype
+    with torch.autocast(x.device.type, enabled=False):
+        master = core.is_master_weight(dtype_name(weight.dtype), dtype_name(dtype))
+        return _fused_linear_cross_entropy(x.to(dtype), weight if master else weight.to(dtype), target,
+                                           None if bias is None else bias.to(dtype), *args, master_weight_ok=True)
+
+
+def _fused_linear_cross_entropy(x, weight, target, bias, ce_weight, ignore_index, reduction, label_smoothing,
+                                lse_square_scale, softcap, return_z_loss, chunk_size, accum_dtype_fp32,
+                                master_weight_ok=False):
     ce_core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                           lse_square_scale=lse_square_scale, softcap=softcap)
     vocab = core.check_inputs(info(x), info(weight), info(target), optional_info(bias), optional_info(ce_weight),
-                              dtype_remedy=DTYPE_REMEDY)
+                              dtype_remedy=DTYPE_REMEDY, master_weight_ok=master_weight_ok)
     core.chunk_rows(1, vocab, dtype_name(x.dtype), chunk_size)  # validates chunk_size
     grad_on = torch.is_grad_enabled()
     need = tuple(bool(grad_on and t is not None and t.requires_grad) for t in (x, weight, bias))

@@ -11,11 +11,12 @@ import math
 import torch
 from torch import nn
 
+from liger_core import fused_linear_cross_entropy as flce_core
 from liger_core import fused_linear_jsd as core
 
 from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
-from .fused_linear_cross_entropy import accumulate_linear_grads, scaled_grads, weight_grad_buffers
+from .fused_linear_cross_entropy import accumulate_linear_grads, matmul_weight, scaled_grads, weight_grad_buffers
 
 
 def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
@@ -33,7 +34,8 @@ def _chunk_loop(xs, ws, xt, wt, labels, opts, chunk_size, accum_fp32, need):
     grad_x = torch.empty_like(xs) if need[0] else None
     grad_w = grad_w_tmp = None
     if need[1]:
-        grad_w, grad_w_tmp = weight_grad_buffers(ws, fp32_acc)
+        grad_w, grad_w_tmp = weight_grad_buffers(ws, xs.dtype, fp32_acc)
+    ws = matmul_weight(ws, xs.dtype)
     losses = []
     for start in range(0, n, rows):
         stop = min(start + rows, n)
@@ -144,21 +146,30 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     (rows, V) logits in ``liger_core.fused_linear_jsd.WORKSPACE_BYTES``, the teacher's as many again); the
     logits are in the inputs' dtypes (as an lm_head's output) and their log-softmax in fp32.
     ``accum_dtype_fp32``: accumulate the student weight's gradient over chunks in fp32 (default: on for bf16/fp16
-    weights). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_weight``; the
+    weights). Under ``torch.autocast`` all four are cast to the autocast dtype first, except an fp32 student
+    weight (a master weight: cast once inside, its gradient accumulated in fp32 straight into the fp32
+    gradient). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_weight``; the
     teacher is a constant, and a teacher tensor that requires grad raises ValueError (detach it, or freeze the
     teacher).
     """
     check_tensors(student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
                   teacher_weight=teacher_weight, labels=labels)
+    args = (labels, beta, ignore_index, temperature, chunk_size, accum_dtype_fp32)
     dtype = autocast_dtype(student_input)
-    if dtype is not None:  # both heads' logits in the autocast dtype, as F.linear's
-        with torch.autocast(student_input.device.type, enabled=False):
-            return fused_linear_jsd(student_input.to(dtype), student_weight.to(dtype), teacher_input.to(dtype),
-                                    teacher_weight.to(dtype), labels, beta, ignore_index, temperature, chunk_size,
-                                    accum_dtype_fp32)
+    if dtype is None:
+        return _fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, *args)
+    # both heads' logits in the autocast dtype, as F.linear's; an fp32 student head is a master weight
+    with torch.autocast(student_input.device.type, enabled=False):
+        master = flce_core.is_master_weight(dtype_name(student_weight.dtype), dtype_name(dtype))
+        return _fused_linear_jsd(student_input.to(dtype), student_weight if master else student_weight.to(dtype),
+                                 teacher_input.to(dtype), teacher_weight.to(dtype), *args, master_weight_ok=True)
+
+
+def _fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, labels, beta, ignore_index,
+                      temperature, chunk_size, accum_dtype_fp32, master_weight_ok=False):
     core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
     vocab = core.check_inputs(info(student_input), info(student_weight), info(teacher_input), info(teacher_weight),
-                              optional_info(labels))
+                              optional_info(labels), master_weight_ok=master_weight_ok)
     core.chunk_rows(1, vocab, dtype_name(student_input.dtype), chunk_size)  # validates chunk_size
     grad_on = torch.is_grad_enabled()
     for name, t in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 import liger_jax
 import liger_torch
@@ -49,3 +50,33 @@ def test_fused_linear_cross_entropy_parity(chunk_size, reduction, dtype, device,
         bj = np.asarray(bj).astype(np.float64)
         scale = n if (reduction == "mean" and name != "loss") else 1.0
         np.testing.assert_allclose(a * scale, bj * scale, rtol=widen * tol, atol=widen * tol, err_msg=name)
+
+
+@pytest.mark.parametrize("chunk_size", [8, None])
+def test_fp32_master_weight_parity(chunk_size, device, seed):
+    """Mixed precision, each frontend's way: torch.autocast(bf16) over fp32 tensors, and dtype=bfloat16 with
+    fp32 arrays in jax. Both cast to bf16 for the matmuls and return fp32 gradients; within bf16 tolerances
+    (the weight gradient's chunks go through a bf16 scratch on a CPU, where torch has no bf16 matmul with an
+    fp32 output)."""
+    rng = np.random.default_rng(seed)
+    n, h, v = 29, 16, 259
+    x = np.asarray(rng.standard_normal((n, h)), np.float32)
+    w = np.asarray(rng.standard_normal((v, h)) * 0.4, np.float32)
+    labels = rng.integers(0, v, n).astype(np.int32)
+    labels[rng.random(n) < 0.3] = -100
+
+    xt, wt = (to_torch(a, device).requires_grad_(True) for a in (x, w))
+    with torch.autocast(xt.device.type, dtype=torch.bfloat16):
+        loss_t = liger_torch.fused_linear_cross_entropy(xt, wt, to_torch(labels, device).long(),
+                                                        chunk_size=chunk_size)
+    (loss_t * 0.7).backward()
+
+    f = lambda a, k: 0.7 * liger_jax.fused_linear_cross_entropy(a, k, jnp.asarray(labels), transpose=True,
+                                                                chunk_size=chunk_size, dtype=jnp.bfloat16)
+    loss_j, grads_j = jax.jit(jax.value_and_grad(f, (0, 1)))(jnp.asarray(x), jnp.asarray(w))
+    tol = TOL["bfloat16"]
+    np.testing.assert_allclose(float(loss_t) * 0.7, float(loss_j), rtol=tol, atol=tol, err_msg="loss")
+    for name, a, bj, widen in (("dx", xt.grad, grads_j[0], 1), ("dweight", wt.grad, grads_j[1], 4)):
+        assert a.dtype == torch.float32 and bj.dtype == jnp.float32, name
+        np.testing.assert_allclose(as_numpy(a).astype(np.float64) * n, np.asarray(bj).astype(np.float64) * n,
+                                   rtol=widen * tol, atol=widen * tol, err_msg=name)

@@ -387,9 +387,10 @@ class LlamaForCausalLM(nnx.Module):
         """:meth:`loss` from the final hidden states (B, T, H)."""
         targets = shift_labels(labels, ignore_index)
         w, transpose = self._head()
+        if self.kernels.loss:  # an fp32 head (param_dtype) stays the master of its fp32 gradient: cast inside
+            return fused_linear_cross_entropy(h, w, targets, transpose=transpose, ignore_index=ignore_index,
+                                              dtype=h.dtype)
         w = w.astype(h.dtype)
-        if self.kernels.loss:
-            return fused_linear_cross_entropy(h, w, targets, transpose=transpose, ignore_index=ignore_index)
         logits = (h @ w.T if transpose else h @ w).astype(jnp.float32)
         valid = targets != ignore_index
         safe = jnp.where(valid, targets, 0)
