@@ -119,7 +119,8 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
 @functools.lru_cache(maxsize=1024)
 def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: ArrayInfo | None, *,
                   x_dtype: str, residual_dtype: str, offset: float = 0.0, casting_mode: str = "llama",
-                  num_sms: int, in_place: bool = True, separate_residual_grad: bool = True,
+                  num_sms: int, in_place: bool = True, in_place_residual: bool | None = None,
+                  separate_residual_grad: bool = True,
                   groups: int = 1, programs_per_sm: int | None = None, block_m: int | None = None,
                   num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
     """Plan for ``dx, dresidual, dw = fused_add_rms_norm_backward(dy, dh, h, weight, rstd)``.
@@ -127,9 +128,10 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     Inputs ``dy`` (gradient of y), ``dh`` (gradient of the returned h; None when it has none), ``h``, ``rstd``
     (and ``weight``). Outputs ``dx`` (x's dtype), then ``dresidual`` (residual's dtype) when
     ``separate_residual_grad`` (else dresidual is dx: a caller may only skip it when the dtypes agree), then
-    ``dw`` with a weight. With ``in_place``, dx is written over dy and dresidual over dh where the dtypes agree
-    and the gradient is dense. ``groups`` as in :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``,
-    ``block_m``, ``num_warps`` and ``prefetch`` override the launch configuration (for tuning).
+    ``dw`` with a weight. With ``in_place``, dx is written over dy, and with ``in_place_residual`` (default:
+    ``in_place``) dresidual over dh, where the dtypes agree and the gradient is dense. ``groups`` as in
+    :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``, ``block_m``, ``num_warps`` and ``prefetch``
+    override the launch configuration (for tuning).
     """
     _check_inputs(h, weight, casting_mode)
     check_finite(offset, "offset")
@@ -154,7 +156,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     n_programs = grid.n_programs
     dx, *dx_strides = gradient_output("dx", h.shape, x_dtype, "dy" if in_place else None, dy, n_rows, n_cols)
     if separate_residual_grad:
-        dr, *dr_strides = gradient_output("dresidual", h.shape, residual_dtype, "dh" if in_place else None, dh,
+        over_dh = in_place if in_place_residual is None else in_place_residual
+        dr, *dr_strides = gradient_output("dresidual", h.shape, residual_dtype, "dh" if over_dh else None, dh,
                                           n_rows, n_cols)
     else:
         dr, dr_strides = NewBuffer("dresidual", (1,), residual_dtype), (0, 0)

@@ -149,3 +149,20 @@ def assert_grad_deterministic(f, args):
     g = jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))
     for a, b in zip(g(*args), g(*args)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class HandOverGradient(torch.autograd.Function):
+    """The identity, whose backward passes on a fresh copy of its gradient (held by nothing else, as most
+    gradients in a model are) and records that copy's address in ``addresses``: a test can then tell whether
+    the next backward wrote its result over it."""
+
+    @staticmethod
+    def forward(ctx, x, addresses):
+        ctx.addresses = addresses
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        fresh = grad.clone()
+        ctx.addresses.append(fresh.data_ptr())
+        return fresh, None

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import liger_torch
-from helpers import assert_close, non_contiguous
+from helpers import HandOverGradient, assert_close, non_contiguous
+from test_rms_norm_torch import reference as rms_reference
 
 # Triton's interpreter converts fp32 to bf16 by truncation (round toward zero; compiled kernels round to
 # nearest even), so each bf16 rounding point may be one ulp off the reference's instead of half an ulp.
@@ -127,21 +128,67 @@ def test_non_contiguous_inputs(layout, device, seed):
     check(got, want, torch.float32, x.numel() // 123, dw_scale=4.0)
 
 
-def test_gradients_are_distinct_tensors(device, seed):
-    """dx and dresidual hold equal values but separate memory: a later in-place backward may write over one."""
+def test_one_gradient_tensor_for_x_and_residual(device, seed):
+    """As autograd's add: dx and dresidual are one tensor when their dtypes agree (one write fewer), two when
+    they differ."""
     x, r, w, gy, gh = draw(seed, (7, 123), torch.float32, device=device)
-    _, _, dx, dr, _ = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
-    assert torch.equal(dx, dr) and dx.data_ptr() != dr.data_ptr()
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w, gy.double(), gh.double())
+    x, r = x.requires_grad_(True), r.requires_grad_(True)
+    dx, dr = torch.autograd.grad(liger_torch.fused_add_rms_norm(x, r, w), (x, r), (gy, gh))
+    assert dx.data_ptr() == dr.data_ptr()
+    assert_close(dx, want[2], torch.float32, "dx")
+    xb, rf, wb, gyb, ghf = draw(seed, (7, 123), torch.bfloat16, r_dtype=torch.float32, device=device)
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), xb, rf, wb, gyb, ghf.float())
+    assert got[2].dtype == torch.bfloat16 and got[3].dtype == torch.float32
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), xb, rf, wb, gyb.double(), ghf.double())
+    assert_close(got[3], want[3], torch.float32, "dresidual (fp32)", scale=SLACK.get(torch.bfloat16, 1.0))
 
 
-def test_in_place_backward_is_optional(device, seed):
-    x, r, w, gy, gh = draw(seed, (7, 123), torch.float32, device=device)
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_shared_gradient_survives_an_in_place_backward_on_either_branch(norm_first, device, seed):
+    """x comes from an in-place RMSNorm (a post-norm) and the residual from another op: the one gradient
+    tensor reaches both; whichever backward runs first must not write over it. The order of the two branches
+    (autograd runs the later-created first) is swept."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b, w1, w2, gy, gh = (torch.randn(s, generator=gen).to(device) for s in
+                            ((7, 123), (7, 123), (123,), (123,), (7, 123), (7, 123)))
+
+    def layer(a, b, w1, w2, fused):
+        if norm_first:
+            x, r = norm(a, w1, fused), torch.sin(b)
+        else:
+            r = torch.sin(b)
+            x = norm(a, w1, fused)
+        return liger_torch.fused_add_rms_norm(x, r, w2) if fused else reference(x, r, w2, 1e-6, 0.0, "llama")
+
+    def norm(t, w, fused):
+        return liger_torch.rms_norm(t, w, in_place=True) if fused else rms_reference(t, w, 1e-6, 0.0, "llama")
+
+    grads = []
+    for fused in (True, False):
+        args = [(t.double() if not fused else t).detach().requires_grad_(True) for t in (a, b, w1, w2)]
+        y, h = layer(*args, fused)
+        torch.autograd.backward((y, h), (gy.to(y.dtype), gh.to(h.dtype)))
+        grads.append([t.grad for t in args])
+    for name, got, want in zip(("da", "db", "dw1", "dw2"), *grads):
+        assert_close(got, want, torch.float32, name, scale=3.0)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_in_place_backward_is_optional(x_dtype, device, seed):
+    """fp32 x and residual: dx (also dresidual) over the gradient of y when this backward holds it alone. bf16
+    x, fp32 residual: a separate fp32 dresidual over the fp32 gradient of h likewise (dx is bf16, dy fp32)."""
+    x, r, w, gy, gh = draw(seed, (7, 123), x_dtype, r_dtype=torch.float32, w_dtype=torch.float32, device=device)
     for in_place in (False, True):
-        gy_in, gh_in = gy.clone(), gh.clone()
-        _, _, dx, dr, _ = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c, in_place=in_place),
-                              x, r, w, gy_in, gh_in)
-        assert torch.equal(gy_in, dx) == in_place and torch.equal(gh_in, dr) == in_place
-        assert torch.equal(gy_in, gy) != in_place and torch.equal(gh_in, gh) != in_place
+        x_, r_ = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        y_addresses, h_addresses = [], []
+        y, h = liger_torch.fused_add_rms_norm(x_, r_, w, in_place=in_place)
+        dx, dr = torch.autograd.grad((HandOverGradient.apply(y, y_addresses), HandOverGradient.apply(h, h_addresses)),
+                                     (x_, r_), (gy.to(y.dtype), gh.to(h.dtype)))
+        if x_dtype == torch.float32:
+            assert (dx.data_ptr() == y_addresses[0]) == in_place and dr.data_ptr() == dx.data_ptr()
+        else:
+            assert (dr.data_ptr() == h_addresses[0]) == in_place and dx.data_ptr() != y_addresses[0]
 
 
 def test_in_place_with_one_gradient_for_both_outputs(device, seed):

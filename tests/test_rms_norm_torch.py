@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import liger_torch
-from helpers import assert_close, non_contiguous
+from helpers import HandOverGradient, assert_close, non_contiguous
 
 SHAPES = [(1, 64), (7, 123), (3, 5, 96), (2, 1000)]
 MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("llama", 0.5)]
@@ -96,11 +96,24 @@ def test_in_place_backward_writes_over_grad_and_is_optional(device, seed):
     w = torch.randn(123, generator=gen).to(device).requires_grad_(True)
     g = torch.randn(7, 123, generator=gen).to(device)
     for in_place in (True, False):
-        x.grad = None
-        g_in = g.clone()
-        liger_torch.rms_norm(x, w, in_place=in_place).backward(g_in)
-        assert torch.equal(g_in, x.grad) == in_place  # in place: dx lives in dy's buffer
-        assert torch.equal(g_in, g) != in_place
+        x.grad, addresses = None, []
+        HandOverGradient.apply(liger_torch.rms_norm(x, w, in_place=in_place), addresses).backward(g)
+        assert (x.grad.data_ptr() == addresses[0]) == in_place  # in place: dx lives in dy's buffer
+
+
+def test_a_gradient_held_elsewhere_is_never_written_over(device, seed):
+    """The caller's backward(gradient) keeps its tensor, and an add hands one tensor to both its inputs: the
+    backward that sees another holder writes a fresh dx even with in_place."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 123, generator=gen).to(device).requires_grad_(True)
+    w = torch.randn(123, generator=gen).to(device)
+    g = torch.randn(7, 123, generator=gen).to(device)
+    g_in = g.clone()
+    liger_torch.rms_norm(x, w, in_place=True).backward(g_in)
+    assert torch.equal(g_in, g)
+    ref = x.detach().double().requires_grad_(True)
+    reference(ref, w.double(), 1e-6, 0.0, "llama").backward(g.double())
+    assert_close(x.grad, ref.grad, torch.float32, "dx")
 
 
 def test_expanded_grad_is_not_written_in_place(device, seed):

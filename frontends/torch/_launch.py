@@ -42,6 +42,15 @@ def rowwise(t: torch.Tensor) -> torch.Tensor:
     return t if collapse_rows(info(t)) is not None else t.contiguous()
 
 
+def sole_reference(grad: torch.Tensor | None) -> bool:
+    """Whether the backward receiving ``grad`` holds its only reference, so that writing over it is safe.
+    Autograd hands one tensor to every input of an add (a residual sum's two branches), and a caller's
+    ``backward(gradient)`` or a hook may keep one: a backward run first sees the other holder (use count 2)
+    and must write elsewhere. A torch without ``Tensor._use_count`` counts as shared."""
+    use_count = getattr(grad, "_use_count", None)
+    return use_count is not None and use_count() == 1
+
+
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The dtype ``torch.autocast`` would give a matmul on t's device, or None when autocast is off there. The
     fused linear losses cast their matmul operands to it themselves (as ``F.linear`` would) and run with

@@ -8,7 +8,7 @@ from liger_core import fused_add_rms_norm as core
 from liger_core.launch import promote
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan
+from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan, sole_reference
 from .rms_norm import RMSNorm
 
 
@@ -21,17 +21,25 @@ def _forward(x, residual, weight, eps, offset, casting_mode):
 
 
 def _backward(grad_y, grad_h, h, weight, rstd, x_dtype, residual_dtype, offset, casting_mode, in_place):
-    """``(dx, dresidual, dw)`` (dw None without a weight); grad_y and grad_h may be None (unused outputs)."""
+    """``(dx, dresidual, dw)`` (dw None without a weight); grad_y and grad_h may be None (unused outputs).
+    dresidual is dx itself when the dtypes agree, as autograd's add hands one gradient to both inputs (a
+    backward that writes over its incoming gradient checks that nothing else holds it)."""
+    separate = x_dtype != residual_dtype
+    # dx goes over dy, dresidual over dh: only where this backward is their sole holder (autograd may hand
+    # one tensor for y and h, or share either with another branch)
+    in_place_y = in_place and sole_reference(grad_y)
+    in_place_h = (in_place and separate and sole_reference(grad_h)
+                  and not (in_place_y and grad_h.data_ptr() == grad_y.data_ptr()))
     dy = rowwise(grad_y) if grad_y is not None else torch.zeros_like(h)
     dh = rowwise(grad_h) if grad_h is not None else None
-    # Never write both gradients over one buffer (autograd may hand the same tensor for y and h).
-    in_place = in_place and not (dh is not None and dh.data_ptr() == dy.data_ptr())
     plan = core.backward_plan(info(dy), optional_info(dh), info(h), optional_info(weight), x_dtype=x_dtype,
                               residual_dtype=residual_dtype, offset=offset, casting_mode=casting_mode,
-                              num_sms=num_sms(h.device), in_place=in_place,
-                              separate_residual_grad=True)  # distinct tensors: later ops may write over one
+                              num_sms=num_sms(h.device), in_place=in_place_y, in_place_residual=in_place_h,
+                              separate_residual_grad=separate)
     grads = run_plan(plan, dy=dy, dh=dh, h=h, weight=weight, rstd=rstd)
-    return grads[0], grads[1], (grads[2] if weight is not None else None)
+    dx = grads[0]
+    dresidual = grads[1] if separate else dx
+    return dx, dresidual, (grads[-1] if weight is not None else None)
 
 
 class LigerFusedAddRMSNormFunction(torch.autograd.Function):
@@ -79,6 +87,8 @@ def _backward_fn(ctx, grad_y, grad_h, _):
         grad_y = torch.zeros_like(h)
     dx, dresidual, dw = backward_op(grad_y, grad_h, h, weight, rstd, ctx.x_dtype, ctx.residual_dtype, ctx.offset,
                                     ctx.casting_mode)
+    if ctx.x_dtype == ctx.residual_dtype:  # one gradient for both (an op's outputs may not alias)
+        dresidual = dx
     return dx, dresidual, (dw if weight is not None else None), None, None, None
 
 
@@ -91,12 +101,12 @@ forward_op = define("fused_add_rms_norm_forward",
 def _backward_op(grad_y, grad_h, h, weight, rstd, x_dtype, residual_dtype, offset, casting_mode):
     dx, dresidual, dw = _backward(grad_y, grad_h, h, weight, rstd, dtype_name(x_dtype), dtype_name(residual_dtype),
                                   offset, casting_mode, in_place=False)
-    return dx, dresidual, (dw if dw is not None else absent(dx))
+    return dx, (dresidual if dresidual is not dx else absent(dx)), (dw if dw is not None else absent(dx))
 
 
 def _backward_fake(grad_y, grad_h, h, weight, rstd, x_dtype, residual_dtype, offset, casting_mode):
-    return empty_like(h, x_dtype), empty_like(h, residual_dtype), (
-        empty_like(weight) if weight is not None else absent(h))
+    dresidual = empty_like(h, residual_dtype) if x_dtype != residual_dtype else absent(h)
+    return empty_like(h, x_dtype), dresidual, (empty_like(weight) if weight is not None else absent(h))
 
 
 backward_op = define("fused_add_rms_norm_backward",
@@ -111,9 +121,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """``h = x + residual; y = rms_norm(h, weight)`` in one pass; returns ``(y, h)`` (h: the new residual).
 
     Casting modes and ``offset`` as in :func:`liger_torch.rms_norm`, with h in the role of x. With
-    ``in_place`` the backward writes dx over the gradient of y and dresidual over the gradient of h when that
-    is safe (same dtype, dense); leave it off when either gradient is shared with another branch. No effect
-    under ``torch.compile``, where nothing is written in place.
+    ``in_place`` the backward writes dx over the gradient of y (and a separate dresidual over the gradient of
+    h) when that is safe: same dtype, dense, held by nothing else. No effect under ``torch.compile``, where
+    nothing is written in place. As autograd's add, the backward hands one tensor to x and residual when their
+    dtypes agree (one write fewer).
     """
     check_tensors(x=x, residual=residual, weight=weight)
     if compiling():

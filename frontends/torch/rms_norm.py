@@ -12,7 +12,7 @@ from torch import nn
 from liger_core import rms_norm as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan
+from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan, sole_reference
 
 
 def _forward(x, weight, eps, offset, casting_mode):
@@ -25,6 +25,7 @@ def _forward(x, weight, eps, offset, casting_mode):
 
 def _backward(dy, x, weight, rstd, offset, casting_mode, in_place):
     """``(dx, dw)`` (dw None without a weight); x as :func:`_forward` returned it."""
+    in_place = in_place and sole_reference(dy)
     dy = rowwise(dy)
     plan = core.backward_plan(info(dy), info(x), optional_info(weight), offset=offset, casting_mode=casting_mode,
                               num_sms=num_sms(x.device), in_place=in_place)
@@ -100,10 +101,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
     """RMSNorm over the last dimension: ``x * rstd * (offset + weight)``.
 
     ``casting_mode`` is ``"llama"`` (HF LlamaRMSNorm), ``"gemma"`` (all fp32; use offset=1.0 for Gemma) or
-    ``"none"``. With ``in_place`` the backward writes dx over the incoming gradient when that is safe (same
-    dtype, dense); turn it off when the gradient of the output is shared with another branch (Gemma 2/3
-    post-norms feeding a residual sum). Under ``torch.compile`` nothing is written in place (``in_place`` has no
-    effect there; see ``liger_torch._custom_ops``).
+    ``"none"``. With ``in_place`` the backward writes dx over the incoming gradient when that is safe: same
+    dtype, dense, and held by nothing else (a post-norm feeding a residual sum, as in Gemma 2/3, receives the
+    gradient the residual branch also holds: it then writes a fresh dx). Under ``torch.compile`` nothing is
+    written in place (``in_place`` has no effect there; see ``liger_torch._custom_ops``).
     """
     check_tensors(x=x, weight=weight)
     if compiling():
