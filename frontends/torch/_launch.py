@@ -45,10 +45,34 @@ def rowwise(t: torch.Tensor) -> torch.Tensor:
 def sole_reference(grad: torch.Tensor | None) -> bool:
     """Whether the backward receiving ``grad`` holds its only reference, so that writing over it is safe.
     Autograd hands one tensor to every input of an add (a residual sum's two branches), and a caller's
-    ``backward(gradient)`` or a hook may keep one: a backward run first sees the other holder (use count 2)
-    and must write elsewhere. A torch without ``Tensor._use_count`` counts as shared."""
-    use_count = getattr(grad, "_use_count", None)
-    return use_count is not None and use_count() == 1
+    ``backward(gradient)`` or a hook may keep one: a backward run first sees the other holder and must write
+    elsewhere. A torch without ``Tensor._use_count`` counts as shared."""
+    if grad is None or not hasattr(grad, "_use_count"):
+        return False
+    return grad._use_count() <= _sole_use_count()
+
+
+@functools.lru_cache(maxsize=None)
+def _sole_use_count() -> int:
+    """The use count of a gradient that nothing but the running Python backward holds: 1 where the engine
+    hands its reference over to Python (torch 2.13), 2 where it keeps its own during the call (torch 2.11).
+    Measured once, on the CPU (no device work; safe inside a CUDA graph capture)."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(grad._use_count())
+            return grad
+
+    with torch.enable_grad():
+        x = torch.ones(2, requires_grad=True)
+        torch.autograd.grad((Probe.apply(x) * 2).sum(), x)  # the product's backward makes a fresh gradient
+    return seen[0]
 
 
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
