@@ -46,17 +46,25 @@ def sole_reference(grad: torch.Tensor | None) -> bool:
     """Whether the backward receiving ``grad`` holds its only reference, so that writing over it is safe.
     Autograd hands one tensor to every input of an add (a residual sum's two branches), and a caller's
     ``backward(gradient)`` or a hook may keep one: a backward run first sees the other holder and must write
-    elsewhere. A torch without ``Tensor._use_count`` counts as shared."""
+    elsewhere. A torch without ``Tensor._use_count`` counts as shared, and so does a gradient met while a CUDA
+    graph is captured before the count was measured."""
     if grad is None or not hasattr(grad, "_use_count"):
         return False
-    return grad._use_count() <= _sole_use_count()
+    device = grad.device.type
+    if device not in _SOLE_USE_COUNT:
+        if device == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        _SOLE_USE_COUNT[device] = _measure_sole_use_count(device)
+    return grad._use_count() <= _SOLE_USE_COUNT[device]
 
 
-@functools.lru_cache(maxsize=None)
-def _sole_use_count() -> int:
+_SOLE_USE_COUNT: dict[str, int] = {}
+
+
+def _measure_sole_use_count(device: str) -> int:
     """The use count of a gradient that nothing but the running Python backward holds: 1 where the engine
-    hands its reference over to Python (torch 2.13), 2 where it keeps its own during the call (torch 2.11).
-    Measured once, on the CPU (no device work; safe inside a CUDA graph capture)."""
+    hands its reference over to Python (torch 2.13), more where it keeps its own during the call. Measured
+    once per device type, on a two-element graph."""
     seen = []
 
     class Probe(torch.autograd.Function):
@@ -70,7 +78,7 @@ def _sole_use_count() -> int:
             return grad
 
     with torch.enable_grad():
-        x = torch.ones(2, requires_grad=True)
+        x = torch.ones(2, device=device, requires_grad=True)
         torch.autograd.grad((Probe.apply(x) * 2).sum(), x)  # the product's backward makes a fresh gradient
     return seen[0]
 
