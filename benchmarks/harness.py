@@ -383,10 +383,10 @@ def measure_ceilings() -> dict:
         b = torch.randn(n, n, dtype=torch.bfloat16)
         mm_ms = statistics.median(_time_host(lambda: a @ b, 3, 5, 0.0))
         jax_gbps = None
-    out = {"copy_GBps": round(copy_gbps, 1), "bf16_matmul_TFLOPs": round(2 * n**3 / mm_ms / 1e9, 3),
-           "device": device()}
+    # significant digits, not decimals: a busy CPU's bf16 matmul rate (~1e-4 TFLOP/s) must not round to 0
+    out = {"copy_GBps": _sig(copy_gbps), "bf16_matmul_TFLOPs": _sig(2 * n**3 / mm_ms / 1e9), "device": device()}
     if jax_gbps:
-        out["jax_copy_GBps"] = round(jax_gbps, 1)
+        out["jax_copy_GBps"] = _sig(jax_gbps)
     return out
 
 

@@ -77,7 +77,8 @@ def test_smoke_run_of_every_module_and_its_report(tmp_path):
     assert main(["run", "--smoke", "--no-isolate", "--fresh", "--out-dir", str(out), "--tag", "smoke"]) == 0
     path, results = _load(out)
     points = results["points"]
-    assert results["ceilings"]["copy_GBps"] > 0 and results["runs"][0]["smoke"]
+    assert results["ceilings"]["copy_GBps"] > 0 and results["ceilings"]["bf16_matmul_TFLOPs"] > 0
+    assert results["runs"][0]["smoke"]
     assert {p["module"] for p in points} == set(available_kernels())
     assert {p["status"] for p in points} <= STATUSES
     assert not [p for p in points if p["status"] == "error"], [p.get("error") for p in points
