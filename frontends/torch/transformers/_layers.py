@@ -48,8 +48,8 @@ def rms_norm_forward(self, hidden_states):
     eps = getattr(self, "variance_epsilon", None)
     if eps is None:
         eps = self.eps
-    return rms_norm(hidden_states, self.weight, eps, self._liger_offset, self._liger_casting_mode,
-                    self._liger_in_place)
+    # in place: the backward writes dx over the incoming gradient only where nothing else holds it
+    return rms_norm(hidden_states, self.weight, eps, self._liger_offset, self._liger_casting_mode, True)
 
 
 def gated_mlp_forward(self, x):

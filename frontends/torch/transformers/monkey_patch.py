@@ -48,7 +48,6 @@ class Family:
     gate: str = "swiglu"            # the name of the MLP switch: swiglu or geglu
     norm_offset: float = 0.0
     norm_casting: str = "llama"
-    norm_in_place: bool = True      # False where a norm's output gradient is shared with the residual stream
     mlp: str = "gated"              # gated (gate/up/down_proj), fused (Phi3 gate_up_proj) or none
     experts: bool = False
     logits_scaling: bool = False    # Granite
@@ -66,15 +65,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mistral", "Mistral", ("mistral",)),
     Family("mixtral", "Mixtral", ("mixtral",), mlp="none", experts=True),
     Family("gemma", "Gemma", ("gemma",), **_GEMMA),
-    # Gemma 2/3 add the post-attention / post-feedforward norms' outputs to the residual: out of place.
-    Family("gemma2", "Gemma2", ("gemma2",), norm_in_place=False, softcap=True, **_GEMMA),
-    Family("gemma3", "Gemma3", ("gemma3_text", "gemma3"), norm_in_place=False, softcap=True, **_GEMMA),
+    # Gemma 2/3 add the post-attention / post-feedforward norms' outputs to the residual, so those norms' output
+    # gradient is shared with the residual branch: their backward writes in place only when it holds that
+    # gradient alone (liger_torch._launch.sole_reference), as every norm backward does.
+    Family("gemma2", "Gemma2", ("gemma2",), softcap=True, **_GEMMA),
+    Family("gemma3", "Gemma3", ("gemma3_text", "gemma3"), softcap=True, **_GEMMA),
     Family("qwen2", "Qwen2", ("qwen2",)),
     Family("qwen3", "Qwen3", ("qwen3",)),
     Family("qwen3_moe", "Qwen3Moe", ("qwen3_moe",), experts=True),
     Family("phi3", "Phi3", ("phi3",), mlp="fused"),
     # OLMo 2: (weight * x_normed) in fp32, then cast (gemma casting without offset); post-norms as Gemma 2.
-    Family("olmo2", "Olmo2", ("olmo2",), norm_casting="gemma", norm_in_place=False),
+    Family("olmo2", "Olmo2", ("olmo2",), norm_casting="gemma"),
     Family("granite", "Granite", ("granite",), logits_scaling=True),
 ]}
 MODEL_TYPES = {t: f for f in FAMILIES.values() for t in f.model_types}
@@ -101,10 +102,9 @@ def _replacements(family: Family, module, rms_norm: bool, gate: bool):
     """{original class: kernel subclass} for the family's norm / MLP / experts classes that this version has."""
     out = {}
     if rms_norm and (cls := _cls(module, f"{family.prefix}RMSNorm")) is not None:
-        out[cls] = liger_subclass(cls, "rms_norm", (family.norm_offset, family.norm_casting, family.norm_in_place),
+        out[cls] = liger_subclass(cls, "rms_norm", (family.norm_offset, family.norm_casting),
                                   {"forward": _layers.rms_norm_forward, "_liger_offset": family.norm_offset,
-                                   "_liger_casting_mode": family.norm_casting,
-                                   "_liger_in_place": family.norm_in_place})
+                                   "_liger_casting_mode": family.norm_casting})
     if gate and (cls := _cls(module, f"{family.prefix}MLP")) is not None and family.mlp != "none":
         forward = _layers.fused_gate_up_mlp_forward if family.mlp == "fused" else _layers.gated_mlp_forward
         out[cls] = liger_subclass(cls, "mlp", (family.mlp,), {"forward": forward})
@@ -175,8 +175,6 @@ def _make_apply(family: Family):
     extras = []
     if family.norm_offset:
         extras.append(f"RMSNorm offset {family.norm_offset}, casting {family.norm_casting!r}")
-    if not family.norm_in_place:
-        extras.append("norm backward out of place")
     if family.softcap:
         extras.append("final_logit_softcapping inside the fused loss")
     if family.logits_scaling:
