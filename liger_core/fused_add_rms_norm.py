@@ -21,7 +21,9 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
-from .rms_norm import CASTING_MODES, _check_inputs, normalize_and_scale, output_dtype, rms_norm_backward_kernel
+from .rms_norm import (
+    CASTING_MODES, _check_inputs, load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel,
+)
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 from .tl_math import aligned, cast, round_to
 
@@ -53,6 +55,7 @@ def _fused_add_rms_norm_forward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
     r = tl.load(R + rows[:, None] * r_row_stride + cols[None, :] * r_col_stride, mask=mask, other=0.0)
+    scale = load_scale(W, w_stride, cols, col_mask, offset, BLOCK_N, HAS_WEIGHT)
     h_dtype = H.dtype.element_ty
     # The fp32 sum of two half-precision values rounded once to h's dtype is the half-precision sum.
     hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)
@@ -62,10 +65,6 @@ def _fused_add_rms_norm_forward_kernel(
 
     # The rounding points of liger_core.rms_norm's casting modes, with h in the role of x.
     y_dtype = Y.dtype.element_ty
-    if HAS_WEIGHT:
-        scale = offset + tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-    else:
-        scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
     y = normalize_and_scale(hf, rstd, scale, h_dtype, y_dtype, CASTING, HAS_WEIGHT)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
 

@@ -52,6 +52,11 @@ def _layer_norm_forward_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    # weight and bias loaded with the row, before its reductions (as liger_core.rms_norm.load_scale)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)
     xf = x.to(tl.float32)  # all arithmetic in fp32 (the interpreter cannot do bf16 arithmetic)
     mean = tl.sum(xf, axis=1) / n_cols
     centered = tl.where(mask, xf - mean[:, None], 0.0)
@@ -66,9 +71,9 @@ def _layer_norm_forward_kernel(
     tl.store(RSTD + rows, rstd, mask=row_mask)
     y = centered * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y = y * w[None, :]
     if HAS_BIAS:
-        y = y + tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y = y + b[None, :]
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, Y.dtype.element_ty), mask=mask)
 
 

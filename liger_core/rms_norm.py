@@ -61,6 +61,17 @@ def normalize_and_scale(xf, rstd, scale, x_dtype: tl.constexpr, y_dtype: tl.cons
 
 
 @triton.jit
+def load_scale(W, w_stride, cols, col_mask, offset, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """``offset + w`` in fp32 (zeros without a weight). The forwards issue this load with the row's, before the
+    row's reduction: loaded after it (behind the reduction's barriers), the weight's round trip adds to every
+    program's latency, which a small grid with a cold L2 does not hide (4096 x 4096 bf16 on an H100: ~2.5 us of
+    ~26)."""
+    if HAS_WEIGHT:
+        return offset + tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+    return tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
@@ -76,15 +87,11 @@ def _rms_norm_forward_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    scale = load_scale(W, w_stride, cols, col_mask, offset, BLOCK_N, HAS_WEIGHT)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
-
     y_dtype = Y.dtype.element_ty
-    if HAS_WEIGHT:
-        scale = offset + tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-    else:
-        scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
     y = normalize_and_scale(xf, rstd, scale, x.dtype, y_dtype, CASTING, HAS_WEIGHT)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
 

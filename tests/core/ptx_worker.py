@@ -162,7 +162,15 @@ def main():
                 "v4_loads": len(re.findall(r"ld\.global[.\w:]*\.v4\.", ptx)),
                 "v4_stores": len(re.findall(r"st\.global[.\w:]*\.v4\.", ptx)),
                 "narrow_loads": len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)),
+                "loads_after_first_barrier": loads_after_first_barrier(ptx),
             }), flush=True)
+
+
+def loads_after_first_barrier(ptx: str) -> int:
+    """Global loads that come after the kernel's first ``bar.sync`` (a cross-warp reduction) in program order:
+    each waits for that reduction, a round trip added to the program's latency."""
+    barrier = ptx.find("bar.sync")
+    return 0 if barrier < 0 else len(re.findall(r"ld\.global", ptx[barrier:]))
 
 
 if __name__ == "__main__":
