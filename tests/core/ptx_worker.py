@@ -163,6 +163,7 @@ def main():
                 "v4_stores": len(re.findall(r"st\.global[.\w:]*\.v4\.", ptx)),
                 "narrow_loads": len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)),
                 "loads_after_first_barrier": loads_after_first_barrier(ptx),
+                "conversions_before_first_wide_load": conversions_before_first_wide_load(ptx),
             }), flush=True)
 
 
@@ -171,6 +172,13 @@ def loads_after_first_barrier(ptx: str) -> int:
     each waits for that reduction, a round trip added to the program's latency."""
     barrier = ptx.find("bar.sync")
     return 0 if barrier < 0 else len(re.findall(r"ld\.global", ptx[barrier:]))
+
+
+def conversions_before_first_wide_load(ptx: str) -> int:
+    """bf16-to-fp32 conversions before the kernel's first 16-byte global load in program order: a conversion of
+    a value loaded earlier waits for that load, so the wide load behind it starts one memory round trip late."""
+    first = re.search(r"ld\.global[.\w:]*\.v4\.", ptx)
+    return len(re.findall(r"cvt\.f32\.bf16", ptx[:first.start()] if first else ptx))
 
 
 if __name__ == "__main__":
