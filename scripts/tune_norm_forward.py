@@ -10,6 +10,11 @@ the sweep says whether small inputs want another configuration.
 ``--timer bench`` times each configuration as the benchmark suite does (CUDA events, L2 flushed before each
 repetition, the host kept ahead) instead of CUDA-graph replays, and adds Liger-Kernel's forward (when installed)
 as a reference row: at 4096 x 4096 the two timers disagree (a graph replay finds the 32 MB input in L2).
+
+``--ops`` times whole ops instead (``liger_torch.rms_norm`` and Liger-Kernel's ``LigerRMSNormFunction``, with the
+benchmark's timer), three rounds in alternating order, first on one shared pair of inputs, then each op on its
+own freshly allocated inputs as the benchmark makes them: at 4096 x 4096 the benchmark gave Liger-Kernel's op
+~9% less time than its kernel takes here, so this tells the op's cost from where its inputs happen to sit.
 """
 
 import argparse
@@ -94,11 +99,36 @@ def sweep(n, h, out, timer):
     torch.cuda.empty_cache()
 
 
+def sweep_ops(n, h, out, timer):
+    import liger_torch
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    ops = {"liger_torch": lambda x, w: liger_torch.rms_norm(x, w, 1e-6),
+           "liger_kernel": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)}
+    floor = 2 * n * h * 2 / COPY_BYTES_PER_S * 1e3
+
+    def inputs():
+        return (torch.randn(n, h, device="cuda", dtype=torch.bfloat16),
+                torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5)
+
+    shared = inputs()
+    own = {name: inputs() for name in ops}
+    for round_ in range(3):
+        order = list(ops) if round_ % 2 == 0 else list(ops)[::-1]
+        for placement, args in (("shared", lambda name: shared), ("own", lambda name: own[name])):
+            for name in order:
+                x, w = args(name)
+                ms = timer(lambda: ops[name](x, w))
+                out(f"{'rms_norm op':<20}{n}x{h:<8}{name + ' ' + placement + ' r' + str(round_):<22}{ms:>8.4f}"
+                    f"{floor / ms:>10.2f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["4096x4096", "16384x4096", "65536x4096"])
     parser.add_argument("--timer", choices=("graph", "bench"), default="graph",
                         help="CUDA-graph replays (default) or the benchmark suite's timer")
+    parser.add_argument("--ops", action="store_true", help="time whole RMSNorm ops (ours, Liger-Kernel's) instead")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
     timer = _timer(args.timer)
@@ -109,7 +139,7 @@ def main(argv=None) -> int:
         out(f"{'kernel':<20}{'shape':<13}{'config':<22}{'ms':>8}{'of floor':>10}")
         for shape in args.shapes:
             n, h = (int(v) for v in shape.split("x"))
-            sweep(n, h, out, timer)
+            (sweep_ops if args.ops else sweep)(n, h, out, timer)
 
     return gpu_tables.run("tune_norm_forward", args.out, tables)
 

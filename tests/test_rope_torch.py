@@ -244,25 +244,28 @@ def test_bad_unsqueeze_dim_and_cos_with_grad(device):
 
 @pytest.mark.parametrize("groups_per_program", [2, 4, 64])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_several_head_groups_per_program_give_the_same_bits(groups_per_program, interleaved, monkeypatch, device,
-                                                            seed):
+@pytest.mark.parametrize("positions", [False, True])
+def test_several_head_groups_per_program_give_the_same_bits(groups_per_program, interleaved, positions, monkeypatch,
+                                                            device, seed):
     """Programs rotating several head groups in turn with one cos/sin tile (the tuning knob of
     scripts/tune_rope.py; 6 q + 3 k heads are 5 groups, so the last program's block is partial) write exactly
-    what one group per program writes, forward and backward."""
+    what one group per program writes, forward and backward, with and without position ids (the tile is then
+    converted before the head loop instead of in each group)."""
     import liger_core.rope
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 6, 37, 64, generator=gen).to(device)
     k = torch.randn(2, 3, 37, 64, generator=gen).to(device)
     gq, gk = torch.randn(q.shape, generator=gen).to(device), torch.randn(k.shape, generator=gen).to(device)
-    cos, sin = hf_tables(2, 37, 64, torch.float32, gen)
+    cos, sin = hf_tables(2, 37 + 5 * positions, 64, torch.float32, gen)
+    extra = dict(position_ids=torch.randint(0, 42, (2, 37), generator=gen).to(device)) if positions else {}
     results = []
     monkeypatch.setattr(liger_core.rope, "_MIN_PROGRAMS", 1)  # these few tokens would split the heads again
     for groups in (1, groups_per_program):
         monkeypatch.setattr(liger_core.rope, "_GROUPS_PER_PROGRAM", groups)
         liger_core.rope._plan.cache_clear()  # plans are cached by their arguments, not by module settings
         results.append(run(liger_torch.rope, q, k, gq.clone(), gk.clone(), cos.to(device), sin.to(device),
-                           interleaved=interleaved))
+                           interleaved=interleaved, **extra))
     liger_core.rope._plan.cache_clear()
     for a, b in zip(*results):
         assert torch.equal(a, b)

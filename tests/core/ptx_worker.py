@@ -163,7 +163,7 @@ def main():
                 "v4_stores": len(re.findall(r"st\.global[.\w:]*\.v4\.", ptx)),
                 "narrow_loads": len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)),
                 "loads_after_first_barrier": loads_after_first_barrier(ptx),
-                "conversions_before_first_wide_load": conversions_before_first_wide_load(ptx),
+                "loaded_values_used_before_first_wide_load": loaded_values_used_before_first_wide_load(ptx),
             }), flush=True)
 
 
@@ -174,12 +174,23 @@ def loads_after_first_barrier(ptx: str) -> int:
     return 0 if barrier < 0 else len(re.findall(r"ld\.global", ptx[barrier:]))
 
 
-def conversions_before_first_wide_load(ptx: str) -> int:
-    """bf16-to-fp32 conversions before the kernel's first 16-byte global load in program order: a conversion of
-    a value loaded earlier waits for that load, so the wide load behind it starts one memory round trip late."""
+def loaded_values_used_before_first_wide_load(ptx: str) -> int:
+    """Instructions before the kernel's first 16-byte global load (in program order) that read a register an
+    earlier global load wrote: each waits for that load, so the wide load behind it starts one memory round trip
+    late. (PTX puts an instruction's destination first, so its other operands are the ones read.)"""
     first = re.search(r"ld\.global[.\w:]*\.v4\.", ptx)
-    return len(re.findall(r"cvt\.f32\.bf16", ptx[:first.start()] if first else ptx))
-
+    loaded, uses = set(), 0
+    for line in (ptx[:first.start()] if first else ptx).splitlines():
+        line = line.split("//")[0].strip()
+        if not line or line.endswith(":"):
+            continue
+        operands = re.split(r",\s*(?![^{]*})", line.split(None, 1)[1] if " " in line or "\t" in line else "")
+        if re.match(r"(@%p\d+\s+)?ld\.global", line):
+            loaded.update(re.findall(r"%r\w*\d+", operands[0]))
+            continue
+        if any(set(re.findall(r"%r\w*\d+", o)) & loaded for o in operands[1:]):
+            uses += 1
+    return uses
 
 if __name__ == "__main__":
     main()
