@@ -112,12 +112,12 @@ def sweep_ops(n, h, out, timer):
                 torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5)
 
     shared = inputs()
-    own = {name: inputs() for name in ops}
+    placements = {"shared": {name: shared for name in ops}, "own": {name: inputs() for name in ops}}
     for round_ in range(3):
         order = list(ops) if round_ % 2 == 0 else list(ops)[::-1]
-        for placement, args in (("shared", lambda name: shared), ("own", lambda name: own[name])):
+        for placement, args in placements.items():
             for name in order:
-                x, w = args(name)
+                x, w = args[name]
                 ms = timer(lambda: ops[name](x, w))
                 out(f"{'rms_norm op':<20}{n}x{h:<8}{name + ' ' + placement + ' r' + str(round_):<22}{ms:>8.4f}"
                     f"{floor / ms:>10.2f}")

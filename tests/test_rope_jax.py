@@ -224,7 +224,7 @@ def test_bad_input(over, error, match):
 
 
 @pytest.mark.parametrize("groups_per_program", [1, 8])
-def test_traced_out_of_range_position_gives_nan_not_a_stray_read(groups_per_program, monkeypatch, seed):
+def test_traced_out_of_range_position_gives_nan_not_a_stray_read(groups_per_program, monkeypatch, request, seed):
     """Under jit the frontend cannot see the positions: the kernel reads row 0 and NaNs that token's outputs,
     whether a program rotates one head group or converts its cos/sin tile once for several."""
     import liger_core.rope
@@ -232,6 +232,7 @@ def test_traced_out_of_range_position_gives_nan_not_a_stray_read(groups_per_prog
     monkeypatch.setattr(liger_core.rope, "_MIN_PROGRAMS", 1)
     monkeypatch.setattr(liger_core.rope, "_GROUPS_PER_PROGRAM", groups_per_program)
     liger_core.rope._plan.cache_clear()  # plans are cached by their arguments, not by module settings
+    request.addfinalizer(liger_core.rope._plan.cache_clear)  # no plan of these settings outlives the test
     rng = np.random.default_rng(seed)
     q, k = draw(rng, 1, 4, 4, 2, 16, jnp.float32)
     cos, sin = tables(rng, 1, 6, 16, jnp.float32)
@@ -242,4 +243,3 @@ def test_traced_out_of_range_position_gives_nan_not_a_stray_read(groups_per_prog
     for w, g in zip(want, got):
         assert np.isnan(np.asarray(g[:, 1])).all()
         np.testing.assert_array_equal(np.asarray(g[:, [0, 2, 3]]), np.asarray(w[:, [0, 2, 3]]))
-    liger_core.rope._plan.cache_clear()

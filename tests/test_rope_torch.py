@@ -246,7 +246,7 @@ def test_bad_unsqueeze_dim_and_cos_with_grad(device):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("positions", [False, True])
 def test_several_head_groups_per_program_give_the_same_bits(groups_per_program, interleaved, positions, monkeypatch,
-                                                            device, seed):
+                                                            request, device, seed):
     """Programs rotating several head groups in turn with one cos/sin tile (the tuning knob of
     scripts/tune_rope.py; 6 q + 3 k heads are 5 groups, so the last program's block is partial) write exactly
     what one group per program writes, forward and backward, with and without position ids (the tile is then
@@ -261,11 +261,11 @@ def test_several_head_groups_per_program_give_the_same_bits(groups_per_program, 
     extra = dict(position_ids=torch.randint(0, 42, (2, 37), generator=gen).to(device)) if positions else {}
     results = []
     monkeypatch.setattr(liger_core.rope, "_MIN_PROGRAMS", 1)  # these few tokens would split the heads again
+    request.addfinalizer(liger_core.rope._plan.cache_clear)  # no plan of these settings outlives the test
     for groups in (1, groups_per_program):
         monkeypatch.setattr(liger_core.rope, "_GROUPS_PER_PROGRAM", groups)
         liger_core.rope._plan.cache_clear()  # plans are cached by their arguments, not by module settings
         results.append(run(liger_torch.rope, q, k, gq.clone(), gk.clone(), cos.to(device), sin.to(device),
                            interleaved=interleaved, **extra))
-    liger_core.rope._plan.cache_clear()
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -185,12 +185,13 @@ def loaded_values_used_before_first_wide_load(ptx: str) -> int:
         if not line or line.endswith(":"):
             continue
         operands = re.split(r",\s*(?![^{]*})", line.split(None, 1)[1] if " " in line or "\t" in line else "")
-        if re.match(r"(@%p\d+\s+)?ld\.global", line):
+        if re.match(r"(@!?%p\d+\s+)?ld\.global", line):
             loaded.update(re.findall(r"%r\w*\d+", operands[0]))
             continue
         if any(set(re.findall(r"%r\w*\d+", o)) & loaded for o in operands[1:]):
             uses += 1
     return uses
+
 
 if __name__ == "__main__":
     main()
