@@ -55,3 +55,25 @@ def aligned(value, ALIGN: tl.constexpr):
     not, and without it row strides and lengths are of unknown alignment, so row loads and stores compile to
     2-byte accesses instead of 16-byte ones (seen in the PTX for sm_90; tests/core/test_vectorized_ptx.py)."""
     return value // ALIGN * ALIGN
+
+
+# Base-2 transcendentals. tl.exp(x) compiles to an FMUL by log2(e), the hardware's ex2 and three instructions that
+# keep denormal results (FSETP and two predicated FMULs); tl.exp2 compiles to the ex2 alone (flushing denormals
+# to 0). tl.log and tl.log2 compile to a ~25-instruction software routine, not to the hardware's lg2. In a loop
+# that does little else per element these counts decide the time (the JSD loop issued ~52 instructions per
+# element: perf-notes, thirteenth session), so hot loops work in base 2: scale once by LOG2E, exp2, log2_approx,
+# and scale a row's result back by LN2.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def log2_approx(x):
+    """log2 of fp32 ``x`` in one hardware instruction (``lg2.approx.ftz``: relative error below 2^-22; a denormal
+    ``x`` counts as 0 and gives -inf, so callers floor ``x`` at fp32's smallest normal). The interpreter, which
+    runs no PTX, takes numpy's log2."""
+    if _INTERPRETED:
+        return tl.log2(x)
+    else:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)

@@ -164,6 +164,7 @@ def main():
                 "narrow_loads": len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)),
                 "loads_after_first_barrier": loads_after_first_barrier(ptx),
                 "loaded_values_used_before_first_wide_load": loaded_values_used_before_first_wide_load(ptx),
+                **transcendental_forms(ptx),
             }), flush=True)
 
 
@@ -172,6 +173,17 @@ def loads_after_first_barrier(ptx: str) -> int:
     each waits for that reduction, a round trip added to the program's latency."""
     barrier = ptx.find("bar.sync")
     return 0 if barrier < 0 else len(re.findall(r"ld\.global", ptx[barrier:]))
+
+
+def transcendental_forms(ptx: str) -> dict:
+    """How the kernel's exponentials and logarithms compiled. ``exps_keeping_denormals``: ``ex2.approx.f32``
+    without ``.ftz`` (tl.exp: the hardware ex2 plus three instructions per element that keep denormal results);
+    ``software_logs``: tl.log / tl.log2's ~25-instruction routine (recognised by its split of the exponent, an
+    add of -0x3f2aaaab or -0x3f3504f3 then a mask of 0xff800000); ``hardware_logs``: ``lg2.approx``. A vectorised
+    per-element use shows up once per element a thread holds, a per-row one once."""
+    return {"exps_keeping_denormals": len(re.findall(r"ex2\.approx\.f32", ptx)),
+            "software_logs": len(re.findall(r"add\.s32\s+%r\d+, %r\d+, -10(59760811|60439283);", ptx)),
+            "hardware_logs": len(re.findall(r"lg2\.approx", ptx))}
 
 
 def loaded_values_used_before_first_wide_load(ptx: str) -> int:
