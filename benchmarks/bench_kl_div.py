@@ -13,30 +13,31 @@ QUICK = sweep({"tokens": 8192}, "vocab", [32000, 128256, 256000])
 SMOKE = sweep({"tokens": 8}, "vocab", [96])
 
 
-def eager_kl_div(x, t):
+def eager_kl_div(x, t, log_target=True):
     import torch.nn.functional as F
 
-    return F.kl_div(x.float(), t.float(), reduction="batchmean", log_target=True)
+    return F.kl_div(x.float(), t.float(), reduction="batchmean", log_target=log_target)
 
 
-def _torch_provider(name):
+def _torch_provider(name, log_target=True):
     if name == "liger_torch":
         import liger_torch
 
-        return lambda x, t: liger_torch.kl_div(x, t, reduction="batchmean", log_target=True)
+        return lambda x, t: liger_torch.kl_div(x, t, reduction="batchmean", log_target=log_target)
     if name == "liger_kernel":
         from liger_kernel.transformers import LigerKLDIVLoss
 
-        loss = LigerKLDIVLoss(reduction="batchmean", log_target=True)
+        loss = LigerKLDIVLoss(reduction="batchmean", log_target=log_target)
         return lambda x, t: loss(x, t)
-    return eager_or_compiled(name, eager_kl_div)
+    return eager_or_compiled(name, lambda x, t: eager_kl_div(x, t, log_target))
 
 
-def _make_torch(name, n, v, pass_):
-    return torch_log_prob_pair_maker(lambda: _torch_provider(name), n, v, pass_)
+def _make_torch(name, n, v, pass_, log_target=True):
+    return torch_log_prob_pair_maker(lambda: _torch_provider(name, log_target), n, v, pass_,
+                                     target_probs=not log_target)
 
 
-def _make_jax(name, n, v, pass_):
+def _make_jax(name, n, v, pass_, log_target=True):
     def make():
         import jax
         import jax.numpy as jnp
@@ -45,19 +46,23 @@ def _make_jax(name, n, v, pass_):
 
         k1, k2 = jax.random.split(jax_key(n, v))
         x = jax.nn.log_softmax(jax.random.normal(k1, (n, v), jnp.float32), -1).astype(jnp.bfloat16)
-        t = jax.nn.log_softmax(jax.random.normal(k2, (n, v), jnp.float32), -1).astype(jnp.bfloat16)
+        t = jax.nn.log_softmax(jax.random.normal(k2, (n, v), jnp.float32), -1)
+        t = (t if log_target else jnp.exp(t)).astype(jnp.bfloat16)
         if name == "liger_jax":
-            f = lambda a, b: liger_jax.kl_div(a, b, reduction="batchmean", log_target=True)
+            f = lambda a, b: liger_jax.kl_div(a, b, reduction="batchmean", log_target=log_target)
         else:
             def f(a, b):
                 af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
-                return jnp.sum(jnp.exp(bf) * (bf - af)) / a.shape[0]
+                if log_target:
+                    return jnp.sum(jnp.exp(bf) * (bf - af)) / a.shape[0]
+                return jnp.sum(jnp.where(bf > 0, bf * (jnp.log(jnp.where(bf > 0, bf, 1.0)) - af), 0.0)) / a.shape[0]
         return jax_loss_runner(f, (x, t), pass_)  # the teacher passed, never a constant
 
     return make
 
 
-def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
+def cases(quick: bool = False, smoke: bool = False, log_target: bool = True) -> list[Case]:
     # fwd: student and teacher read once; fwd+bwd: that and the student's gradient written once.
-    return row_cases("kl_div", SMOKE if smoke else QUICK if quick else SHAPES, _make_torch, _make_jax,
+    return row_cases("kl_div" if log_target else "kl_div_probs", SMOKE if smoke else QUICK if quick else SHAPES,
+                     lambda *a: _make_torch(*a, log_target=log_target), lambda *a: _make_jax(*a, log_target=log_target),
                      {"fwd": 2, "fwd+bwd": 3}, torch_names=TORCH_PROVIDERS, axes=("tokens", "vocab"))

@@ -679,15 +679,18 @@ def torch_fwd_bwd(fn, inputs, grad):
     return run
 
 
-def torch_log_prob_pair_maker(provider, n, v, pass_):
+def torch_log_prob_pair_maker(provider, n, v, pass_, target_probs=False):
     """A case's ``make`` for a distribution loss ``provider()(input, target)`` over two (n, v) bf16 log-prob
-    tensors; only the input is differentiated (the target is a constant, as a teacher's)."""
+    tensors (the target as probabilities with ``target_probs``); only the input is differentiated (the target is
+    a constant, as a teacher's)."""
     def make():
         import torch
 
         fn = provider()
         x = torch.randn(n, v, device=device(), dtype=torch.bfloat16).log_softmax(-1)
         t = torch.randn(n, v, device=device(), dtype=torch.bfloat16).log_softmax(-1)
+        if target_probs:
+            t = t.exp()
         x.requires_grad_(pass_ != "fwd")
         return torch_pass_runner(lambda a: fn(a, t), (x,), torch.tensor(1.0, device=device()), pass_)
 

@@ -57,6 +57,9 @@ def cases():
         "kl_div": (kl_div.forward_plan(logits, logits, reduction="sum"), {"input": logits, "target": logits}),
         "kl_div with gradient": (kl_div.forward_plan(logits, logits, reduction="sum", compute_grad=True),
                                  {"input": logits, "target": logits}),
+        "kl_div, log target, with gradient": (kl_div.forward_plan(logits, logits, reduction="sum", log_target=True,
+                                                                 compute_grad=True),
+                                              {"input": logits, "target": logits}),
         # compiled to check they build for sm_90 (their vectorisation is not asserted)
         "layer_norm backward": (layer_norm.backward_plan(x, x, w, w, num_sms=132),
                                 {"dy": x, "x": x, "weight": w, "bias": w, "mean": rows, "rstd": rows}),
