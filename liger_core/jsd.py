@@ -64,52 +64,52 @@ def _count_kept_kernel(L, l_stride, n_rows, ignore_index, COUNT, BLOCK: tl.const
 
 
 @triton.jit
-def _pointwise(x2, y2, beta, grad_scale, MODE: tl.constexpr):
-    """(loss in bits, grad_scale * d loss / d x) per element, fp32, from base-2 log-probabilities: x2 = log2 Q
-    (student), y2 = log2 P (teacher). The caller multiplies the summed loss by ln 2 once per row.
+def _pointwise(x, y, beta, grad_scale, MODE: tl.constexpr):
+    """(loss, grad_scale * d loss / d x) per element, fp32; x = student log-prob, y = teacher log-prob.
     MODE 0: forward KL (beta 0), 1: reverse KL (beta 1), 2: generalized JSD."""
-    # Base 2 because the loop is bound by instruction issue: exp2 and log2_approx are one hardware instruction
-    # each where tl.exp is five and tl.log ~25 (tl_math). Log-probabilities are <= 0, so exp2 cannot overflow;
-    # a probability below fp32's smallest normal is flushed to 0 and contributes below 1e-36.
+    # exp2 and log2_approx, one hardware instruction each where tl.exp is five and tl.log ~25 (tl_math): the loop
+    # is bound by instruction issue. The log-probabilities stay natural (exact from a half-precision input): in
+    # base 2 the extra rounding of x * log2(e) doubled the error of x - log M, which is what the loss sums when
+    # M is close to Q (beta near 0). Log-probabilities are <= 0, so exp2 cannot overflow; a probability below
+    # fp32's smallest normal is flushed to 0 and contributes below 1e-36.
     # Where a probability is 0 its factor of the term is replaced by 0 before multiplying, so that 0 * log 0 is
     # 0 and no NaN is formed (a term is still +inf where the divergence is: e.g. P > 0 = Q for beta 0).
     if MODE == 0:
-        p = tl.exp2(y2)
-        loss = p * (tl.where(p == 0.0, 0.0, y2) - tl.where(p == 0.0, 0.0, x2))
+        p = tl.exp2(y * LOG2E)
+        loss = p * (tl.where(p == 0.0, 0.0, y) - tl.where(p == 0.0, 0.0, x))
         dx = p * -grad_scale
     elif MODE == 1:
-        q = tl.exp2(x2)
-        loss = q * (tl.where(q == 0.0, 0.0, x2) - tl.where(q == 0.0, 0.0, y2))
-        dx = (q + LN2 * loss) * grad_scale
+        q = tl.exp2(x * LOG2E)
+        loss = q * (tl.where(q == 0.0, 0.0, x) - tl.where(q == 0.0, 0.0, y))
+        dx = (loss + q) * grad_scale
     else:
-        p = tl.exp2(y2)
-        q = tl.exp2(x2)
-        # M floored at fp32's smallest normal, so that log2 M is finite where both probabilities are 0 (their
+        p = tl.exp2(y * LOG2E)
+        q = tl.exp2(x * LOG2E)
+        # M floored at fp32's smallest normal, so that log M is finite where both probabilities are 0 (their
         # terms are 0 then) (a select, not tl.maximum: the GPU's max returns the number where the other operand
         # is NaN, and a NaN in p or q must reach the loss and the gradient)
         m = beta * p + (1.0 - beta) * q
-        log2_m = log2_approx(tl.where(m < 1.2e-38, 1.2e-38, m))
+        log_m = log2_approx(tl.where(m < 1.2e-38, 1.2e-38, m)) * LN2
         # A zero probability's log is clamped, so that its term is 0 * finite (not 0 * -inf = NaN): exact, as a
-        # probability that is not 0 has a log2 of at least -149.
-        term_p = p * (tl.maximum(y2, -1000.0) - log2_m)
-        term_q = q * (tl.maximum(x2, -1000.0) - log2_m)
+        # probability that is not 0 has a log of at least -104.
+        term_p = p * (tl.maximum(y, -1000.0) - log_m)
+        term_q = q * (tl.maximum(x, -1000.0) - log_m)
         loss = beta * term_p + (1.0 - beta) * term_q
-        dx = term_q * ((1.0 - beta) * LN2 * grad_scale)
+        dx = term_q * ((1.0 - beta) * grad_scale)
     return loss, dx
 
 
 @triton.jit
 def _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
                FROM_LOGITS: tl.constexpr):
-    """One block of the student's and teacher's base-2 log-probabilities, fp32: loaded as natural ones and
-    scaled, or formed from logits as ``(z / T - lse) * log2(e)`` (in that order: ``z * log2(e)`` alone could
-    overflow where ``z / T - lse`` does not)."""
+    """One block of the student's and teacher's log-probabilities, fp32: loaded as they are, or formed from
+    logits as ``z / T - lse``."""
     x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_row + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
     if FROM_LOGITS:
         x = x * inv_temperature - lse_x
         y = y * inv_temperature - lse_y
-    return x * LOG2E, y * LOG2E
+    return x, y
 
 
 @triton.jit
@@ -164,16 +164,16 @@ def _jsd_kernel(
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
         mask = cols < n_cols
-        x2, y2 = _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
-                            FROM_LOGITS)
-        loss, dx = _pointwise(x2, y2, beta, 1.0 if FROM_LOGITS else row_scale, MODE)
+        x, y = _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
+                          FROM_LOGITS)
+        loss, dx = _pointwise(x, y, beta, 1.0 if FROM_LOGITS else row_scale, MODE)
         loss_acc += tl.where(mask, loss, 0.0)
         if FROM_LOGITS:
             if HAS_GRAD:
                 g_acc += tl.where(mask, dx, 0.0)
         elif HAS_GRAD:
             tl.store(grad_row + cols * grad_col_stride, cast(dx, GRAD.dtype.element_ty), mask=mask)
-    tl.store(LOSS + row, tl.sum(loss_acc, axis=0) * (LN2 * row_scale))
+    tl.store(LOSS + row, tl.sum(loss_acc, axis=0) * row_scale)
 
     # Sweep 2 (logits): d loss / d z for x = log_softmax(z / T), written over the student's z.
     if FROM_LOGITS and HAS_GRAD:
@@ -182,10 +182,10 @@ def _jsd_kernel(
         for start in range(0, n_cols, BLOCK):
             cols = start + offsets
             mask = cols < n_cols
-            x2, y2 = _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
-                                FROM_LOGITS)
-            _, dx = _pointwise(x2, y2, beta, 1.0, MODE)
-            dz = (dx - tl.exp2(x2) * g_sum) * factor
+            x, y = _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
+                              FROM_LOGITS)
+            _, dx = _pointwise(x, y, beta, 1.0, MODE)
+            dz = (dx - tl.exp2(x * LOG2E) * g_sum) * factor
             tl.store(grad_row + cols * grad_col_stride, cast(dz, GRAD.dtype.element_ty), mask=mask)
 
 
