@@ -69,8 +69,8 @@ def test_rope_asks_for_q_and_k_before_waiting_for_cos_and_sin(tmp_path):
 def test_loss_loops_use_one_instruction_exp2_and_log2(tmp_path):
     """The per-element exponentials and logarithms of the loss sweeps compile to the hardware's ex2 / lg2 alone:
     tl.exp adds three instructions per element and tl.log ~25, which made the JSD loop issue-bound (~52
-    instructions per element, now ~30) and KL against probabilities too (~39, now ~13). The only software logs left are the per-row logsumexps (one per row
-    and input)."""
+    instructions per element, now ~30) and KL against probabilities too (~39, now ~13). The only software logs
+    left are the per-row logsumexps (one per row and input)."""
     per_row_logs = {"cross_entropy": 1, "jsd": 0, "jsd on logits": 2, "kl_div": 0, "kl_div with gradient": 0,
                     "kl_div, log target, with gradient": 0}
     rows = [r for r in compile_all(tmp_path, *sorted(per_row_logs)) if r["case"] in per_row_logs]
