@@ -34,6 +34,9 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   export LIGER_BENCH_MIRROR="$OUT/results"
   python3 -m benchmarks run --time-limit "${BENCH_TIME_LIMIT:-420}" "$@" 2>&1 | tee "$OUT/bench.log" \
     | grep -v "^\[" | tail -80
+  # The plots stay behind: the device tool brings back a limited number of files (a run of several tags lost
+  # its JSON that way); `python -m benchmarks render RESULTS.json` draws them again here.
+  rm -rf "$OUT"/results/*-plots
 fi
 if [ "$what" = demo ]; then  # the README's main job at its GPU size
   bash scripts/demo.sh 2>&1 | tee "$OUT/demo.log" | tail -30
