@@ -30,7 +30,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .tl_math import LOG2E, aligned, cast, tanh
+from .tl_math import aligned, cast, exp_ftz, exp_minus_abs_ftz, tanh
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, cdiv, check_float, check_int, check_nonempty,
     contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
@@ -109,7 +109,7 @@ def row_softmax_stats(row_ptr, col_stride, n_cols, scale, softcap, W, w_stride, 
         if HAS_SOFTCAP:
             x = softcap * tanh(x / softcap)
         z = tl.where(mask, x, float("-inf"))
-        u = tl.exp2(tl.abs(z - m) * -LOG2E)  # base 2: one instruction, not tl.exp's five (tl_math)
+        u = exp_minus_abs_ftz(z - m)  # two instructions, not tl.exp's five (tl_math)
         bigger = z > m
         d = tl.where(bigger, d * u + 1.0, d + u)
         m = tl.where(bigger, z, m)
@@ -121,7 +121,7 @@ def row_softmax_stats(row_ptr, col_stride, n_cols, scale, softcap, W, w_stride, 
             else:
                 sum_z += tl.where(mask, x, 0.0)
     m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(d * tl.exp2((m - m_row) * LOG2E), axis=0))
+    lse = m_row + tl.log(tl.sum(d * exp_ftz(m - m_row), axis=0))
     return lse, tl.sum(sum_z, axis=0), tl.sum(sum_wz, axis=0), tl.sum(sum_w, axis=0)
 
 
@@ -229,7 +229,7 @@ def _cross_entropy_kernel(
             if HAS_SOFTCAP:
                 th = tanh(x / softcap)
                 x = softcap * th
-            grad = tl.exp2((x - lse) * LOG2E) * a - tl.where(cols == t_safe, b, 0.0)
+            grad = exp_ftz(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)

@@ -46,7 +46,7 @@ from .launch import (
     collapse_rows, next_power_of_2, promote, sweep_block_and_warps,
 )
 from .reduce import sum_partials_launch
-from .tl_math import LN2, LOG2E, aligned, cast, log2_approx
+from .tl_math import LN2, aligned, cast, exp_ftz, exp_minus_abs_ftz, log2_approx
 
 _COUNT_BLOCK = 1024
 
@@ -67,18 +67,18 @@ def _count_kept_kernel(L, l_stride, n_rows, ignore_index, COUNT, BLOCK: tl.const
 def _pointwise(x, y, beta, grad_scale, MODE: tl.constexpr):
     """(loss, grad_scale * d loss / d x) per element, fp32; x = student log-prob, y = teacher log-prob.
     MODE 0: forward KL (beta 0), 1: reverse KL (beta 1), 2: generalized JSD."""
-    # exp2 and log2_approx, one hardware instruction each where tl.exp is five and tl.log ~25 (tl_math): the loop
+    # exp_ftz and log_approx, two instructions each where tl.exp is five and tl.log ~25 (tl_math): the loop
     # is bound by instruction issue (~52 instructions per element with tl.exp / tl.log, 30 now). Log-probabilities
-    # are <= 0, so exp2 cannot overflow; a probability below fp32's smallest normal is flushed to 0 and
+    # are <= 0, so exp cannot overflow; a probability below fp32's smallest normal is flushed to 0 and
     # contributes below 1e-36.
     # Where a probability is 0 its factor of the term is replaced by 0 before multiplying, so that 0 * log 0 is
     # 0 and no NaN is formed (a term is still +inf where the divergence is: e.g. P > 0 = Q for beta 0).
     if MODE == 0:
-        p = tl.exp2(y * LOG2E)
+        p = exp_ftz(y)
         loss = p * (tl.where(p == 0.0, 0.0, y) - tl.where(p == 0.0, 0.0, x))
         dx = p * -grad_scale
     elif MODE == 1:
-        q = tl.exp2(x * LOG2E)
+        q = exp_ftz(x)
         loss = q * (tl.where(q == 0.0, 0.0, x) - tl.where(q == 0.0, 0.0, y))
         dx = (loss + q) * grad_scale
     else:
@@ -93,12 +93,12 @@ def _pointwise(x, y, beta, grad_scale, MODE: tl.constexpr):
         # (propagate_nan: the GPU's max would return -1000) and reaches the loss and the gradient.
         d = (tl.maximum(y, -1000.0, propagate_nan=tl.PropagateNan.ALL)
              - tl.maximum(x, -1000.0, propagate_nan=tl.PropagateNan.ALL))
-        e = tl.exp2(tl.abs(d) * -LOG2E)
+        e = exp_minus_abs_ftz(d)
         p_larger = d > 0.0
         a = tl.where(p_larger, beta, 1.0 - beta) + tl.where(p_larger, 1.0 - beta, beta) * e
-        t_q = log2_approx(a) * -LN2 - tl.maximum(d, 0.0)
-        p = tl.exp2(y * LOG2E)
-        q = tl.exp2(x * LOG2E)
+        t_q = log2_approx(a) * -LN2 - tl.maximum(d, 0.0)  # one FFMA; -log_approx(a) - ... takes two
+        p = exp_ftz(y)
+        q = exp_ftz(x)
         term_q = q * t_q
         loss = beta * (p * (t_q + d)) + (1.0 - beta) * term_q
         dx = term_q * ((1.0 - beta) * grad_scale)
@@ -191,7 +191,7 @@ def _jsd_kernel(
             x, y = _load_pair(x_row, x_col_stride, y_row, y_col_stride, cols, mask, inv_temperature, lse_x, lse_y,
                               FROM_LOGITS)
             _, dx = _pointwise(x, y, beta, 1.0, MODE)
-            dz = (dx - tl.exp2(x * LOG2E) * g_sum) * factor
+            dz = (dx - exp_ftz(x) * g_sum) * factor
             tl.store(grad_row + cols * grad_col_stride, cast(dz, GRAD.dtype.element_ty), mask=mask)
 
 

@@ -32,7 +32,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .tl_math import LN2, LOG2E, aligned, cast, log2_approx
+from .tl_math import aligned, cast, exp_ftz, log_approx
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
     next_power_of_2, promote, sweep_block_and_warps, warps_for,
@@ -74,15 +74,15 @@ def _kl_div_forward_kernel(
         mask = cols < n_cols
         x = tl.load(X + row * x_row_stride + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(Y + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
-        # exp2 and the hardware lg2: one instruction each, where tl.exp is five and tl.log ~25 (tl_math)
+        # exp_ftz and log_approx: two instructions each, where tl.exp is five and tl.log ~25 (tl_math)
         if LOG_TARGET:
-            p = tl.exp2(y * LOG2E)
+            p = exp_ftz(y)
             loss = p * (y - x)
         else:
             # y floored at fp32's smallest normal for the log (a denormal probability would give log2 = -inf;
             # its term, below 1e-36, is kept finite); a zero probability's term is 0
             p = y
-            log_y = log2_approx(tl.where(y < 1.2e-38, 1.2e-38, y)) * LN2
+            log_y = log_approx(tl.where(y < 1.2e-38, 1.2e-38, y))
             loss = tl.where(y == 0.0, 0.0, y * (log_y - x))
         loss = tl.where(mask, loss, 0.0)
         if HAS_GRAD:
@@ -112,7 +112,7 @@ def _kl_div_backward_kernel(
     y = tl.load(Y + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * g_row_stride + cols * g_col_stride, mask=mask, other=0.0).to(tl.float32)
     if LOG_TARGET:
-        y = tl.exp2(y * LOG2E)
+        y = exp_ftz(y)
     # (-y * scale) first: the order of the forward's gradient times the scale kernel's g, so that both paths
     # give the same fp32 bits
     tl.store(DX + row * n_cols + cols, cast((-y * scale) * g, DX.dtype.element_ty), mask=mask)

@@ -61,9 +61,22 @@ def aligned(value, ALIGN: tl.constexpr):
 # keep denormal results (FSETP and two predicated FMULs); tl.exp2 compiles to the ex2 alone (flushing denormals
 # to 0). tl.log and tl.log2 compile to a ~25-instruction software routine, not to the hardware's lg2. In a loop
 # that does little else per element these counts decide the time (the JSD loop issued ~52 instructions per
-# element: perf-notes, thirteenth session), so hot loops take exp2(x * LOG2E) and log2_approx(x) * LN2.
+# element: perf-notes, thirteenth session), so hot loops take exp_ftz and log_approx.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def exp_ftz(x):
+    """exp of fp32 ``x`` as tl.exp computes it (the hardware ex2 of x * log2(e)) but with results below fp32's
+    smallest normal flushed to 0: two instructions instead of five."""
+    return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def exp_minus_abs_ftz(x):
+    """exp(-|x|) as :func:`exp_ftz` (written out: the compiler does not fold the negation into the multiply)."""
+    return tl.exp2(tl.abs(x) * -LOG2E)
 
 
 @triton.jit
@@ -78,3 +91,9 @@ def log2_approx(x):
     else:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)
+
+
+@triton.jit
+def log_approx(x):
+    """Natural log by :func:`log2_approx` (same error, in nats; same caveats)."""
+    return log2_approx(x) * LN2
