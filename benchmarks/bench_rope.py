@@ -7,10 +7,12 @@ from __future__ import annotations
 from .harness import (Case, device, eager_or_compiled, jax_key, jax_pass_runner, passes, provider_cases, sweep,
                       torch_pass_runner)
 
-# (batch, seq, q heads, kv heads, head dim): sequence lengths at batch 1
+# (batch, seq, q heads, kv heads, head dim): sequence lengths at batch 1, and the batch 4 x 4096 (the
+# tokens of T16384 in four sequences, each with its own cos/sin rows)
 _LLAMA3_8B = {"batch": 1, "heads_q": 32, "heads_kv": 8, "head_dim": 128}
-SHAPES = sweep(_LLAMA3_8B, "seq", [2048, 4096, 8192, 16384, 32768, 65536])
-QUICK = sweep(_LLAMA3_8B, "seq", [4096, 16384, 65536])
+_BATCH4 = {**_LLAMA3_8B, "batch": 4, "seq": 4096}
+SHAPES = sweep(_LLAMA3_8B, "seq", [2048, 4096, 8192, 16384, 32768, 65536]) + [_BATCH4]
+QUICK = sweep(_LLAMA3_8B, "seq", [4096, 16384, 65536]) + [_BATCH4]
 SMOKE = [{"batch": 1, "seq": 4, "heads_q": 2, "heads_kv": 1, "head_dim": 8}]
 KEYS = ("batch", "seq", "heads_q", "heads_kv", "head_dim")
 THETA = 500000.0
