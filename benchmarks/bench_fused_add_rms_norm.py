@@ -78,7 +78,8 @@ def _make_jax(name, n, h, pass_):
                 hs = a + b
                 hf = hs.astype(jnp.float32)
                 return s * (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + EPS)).astype(hs.dtype), hs
-        return jax_pass_runner(f, (x, r, w), (gy, gh), pass_)
+        # x's and the residual's gradients are one array (the add's): the program returns it once, for both
+        return jax_pass_runner(f, (x, r, w), (gy, gh), pass_, returned_grads=(0, 2))
 
     return make
 

@@ -893,24 +893,31 @@ def donating_jax_runner(fn, *args):
     return run
 
 
-def jax_pass_runner(f, inputs, cotangent, pass_):
+def jax_pass_runner(f, inputs, cotangent, pass_, returned_grads=None):
     """``fwd``: ``jax_runner(f, *inputs)``; ``fwd+bwd``: the jitted vjp of ``f`` at ``inputs`` applied to
     ``cotangent`` (a tuple of them where ``f`` returns a tuple), inputs and cotangent passed as arguments. The
     program returns the forward's output with the gradients, as a layer in a model must: otherwise XLA drops a
     forward the backward does not need (RoPE is linear; the gated backward recomputes its activation) and the
-    jax "fwd+bwd" would be the backward alone, against torch's both passes."""
+    jax "fwd+bwd" would be the backward alone, against torch's both passes. ``returned_grads``: the indices of
+    the gradients the program returns (all by default); leave out one that is the same array as another (a
+    residual add's two inputs): a program's outputs are distinct buffers, so XLA would copy it, which inside a
+    model, where both go on to other ops, it does not."""
     import jax
 
     if pass_ == "fwd":
         return jax_runner(f, *inputs)
 
+    def grads(pullback, d):
+        g = pullback(d)
+        return g if returned_grads is None else tuple(g[i] for i in returned_grads)
+
     def grads_first(args, d):
         out, pullback = jax.vjp(f, *args)
-        return pullback(d), out
+        return grads(pullback, d), out
 
     def output_first(args, d):
         out, pullback = jax.vjp(f, *args)
-        return out, pullback(d)
+        return out, grads(pullback, d)
 
     # jax ties each donated argument to the first unclaimed output of its shape, and XLA copies where that is
     # not the buffer the op writes over: the gated backward writes the gradients over the forward's inputs

@@ -19,7 +19,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from liger_core import cross_entropy, fused_add_rms_norm, jsd, kl_div, layer_norm, rms_norm, rope, swiglu  # noqa: E402
-from liger_core.launch import ArrayInfo, Buf  # noqa: E402
+from liger_core.launch import ArrayInfo, Buf, Plan  # noqa: E402
+from liger_core.reduce import sum_partials_launch  # noqa: E402
 
 TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int64": "i64",
                 "int32": "i32"}
@@ -73,6 +74,10 @@ def cases():
         "kl_div backward": (kl_div.backward_plan(scalar, logits, logits, reduction="sum"),
                             {"grad_output": scalar, "target": logits}),
         "jsd": (jsd.forward_plan(logits, logits), {"student": logits, "teacher": logits}),
+        "sum_partials, weight gradient": (
+            Plan(inputs=("partials",), launches=(sum_partials_launch("partials", "dw", 1, 132, 4096, "bfloat16"),),
+                 outputs=("dw",)),
+            {"partials": ArrayInfo.contiguous((1, 132, 4096), "float32")}),
         "jsd on logits": (jsd.chunk_plan(64, 32000, "bfloat16", "bfloat16", None, beta=0.5, ignore_index=-100,
                                          n_total_rows=64, temperature=2.0, compute_grad=True),
                           {"student": logits, "teacher": logits}),

@@ -12,7 +12,9 @@ import pytest
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ptx_worker.py")
 
 
-def compile_all(tmp_path, *flags):
+def compile_all(tmp_path, *flags, reductions=False):
+    """One record per launch with an ALIGN hint of the worker's cases (``flags``: case names, options); the
+    partial-sum reductions a plan ends with only with ``reductions`` (tests of the row kernels leave them out)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LIGER_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     out = subprocess.run([sys.executable, WORKER, *flags], capture_output=True, text=True, env=env, timeout=600)
@@ -20,7 +22,8 @@ def compile_all(tmp_path, *flags):
         if "ptxas" in out.stderr and ("not found" in out.stderr or "No such file" in out.stderr):
             pytest.skip("this Triton build has no ptxas to compile for sm_90")
         raise AssertionError(out.stderr[-3000:])
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return [r for r in rows if reductions or r["kernel"] != "_sum_partials_kernel"]
 
 
 VECTORISED = {"rms_norm forward", "rms_norm backward", "layer_norm forward", "swiglu forward", "swiglu backward",
@@ -79,3 +82,14 @@ def test_loss_loops_use_one_instruction_exp2_and_log2(tmp_path):
         assert r["exps_keeping_denormals"] == 0 and r["software_logs"] == per_row_logs[r["case"]], r
         if r["case"].startswith("jsd") or r["case"] in ("kl_div", "kl_div with gradient"):
             assert r["hardware_logs"] > 0, r
+
+
+def test_partial_sums_load_16_bytes_at_a_time(tmp_path):
+    """The weight-gradient reduction (132 partials x 4096 columns, fp32) loads 4 floats at a time under
+    jax_triton's specialisation too: without the ALIGN hint its loads were 4 bytes wide and it took 29 us
+    under jax against 6 under torch (H100, scripts/profile_kernels.py, perf-notes fourteenth session)."""
+    case = "sum_partials, weight gradient"
+    (hinted,) = [r for r in compile_all(tmp_path, case, reductions=True) if r["case"] == case]
+    (unhinted,) = [r for r in compile_all(tmp_path, case, "--force-align1", reductions=True) if r["case"] == case]
+    assert hinted["align"] == 16 and hinted["v4_loads"] > 0, hinted
+    assert unhinted["v4_loads"] == 0, unhinted
