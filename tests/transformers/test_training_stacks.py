@@ -80,6 +80,25 @@ def test_gradient_checkpointing_same_gradients(device, seed):
         ref.gradient_checkpointing_disable()
 
 
+def test_checkpointing_is_detected_without_transformers_deprecation_warnings(device, seed):
+    """The patched forward asks whether checkpointing is on (it then leaves the norm outputs to HF's recompute)
+    through the attribute this transformers has, without touching the deprecated alias that warns."""
+    import warnings
+
+    from liger_torch.transformers._causal_lm import _activation_checkpointing
+
+    model = build("llama", seed, device)
+    apply_liger_kernel(model)
+    ids, labels = batch(seed, device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        assert not _activation_checkpointing(model)
+        _step(model, ids, labels)
+        _checkpointing(model, use_reentrant=False)
+        assert _activation_checkpointing(model)
+        _step(model, ids, labels)
+
+
 def _rel(actual, expected):
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 

@@ -190,13 +190,22 @@ def _lm_head_loss(head, hidden, target, options):
     return _head_loss(head, hidden, target, options)
 
 
+def _activation_checkpointing(model) -> bool:
+    """Whether HF gradient checkpointing is on: ``is_activation_checkpointing`` where transformers has it (its old
+    name ``is_gradient_checkpointing`` warns there that it is deprecated), else the old name."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def _run_recomputing_norm_outputs(model, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the norm outputs recomputed in the backward instead of saved by the projections
     that read them (rms_norm.recompute_norm_outputs), except where something else already recomputes (torch.compile,
     gradient checkpointing) or the environment says LIGER_RECOMPUTE_NORM_OUTPUTS=0."""
     if compiling():  # nothing for dynamo to trace: no hooks, no context manager
         return fn(*args, **kwargs)
-    enabled = (torch.is_grad_enabled() and not getattr(model, "is_gradient_checkpointing", False)
+    enabled = (torch.is_grad_enabled() and not _activation_checkpointing(model)
                and os.environ.get("LIGER_RECOMPUTE_NORM_OUTPUTS", "1") != "0")
     with recompute_norm_outputs(enabled):
         return fn(*args, **kwargs)
