@@ -52,12 +52,15 @@ def module_tasks(name: str, quick: bool, smoke: bool):
     return [harness.case_task(c) for c in module.cases(quick=quick, smoke=smoke)]
 
 
-def run_tasks(name, tasks, ceilings, *, match=None, deadline=None, emit=None) -> list[dict]:
-    """Run ``tasks`` (those whose label matches ``match``), with a progress bar on a terminal and one line per
-    point otherwise; a task started after ``deadline`` is recorded as skipped, one that raises as failed."""
+def run_tasks(name, tasks, ceilings, *, match=None, deadline=None, emit=None, reverse=False) -> list[dict]:
+    """Run ``tasks`` (those whose label matches ``match``; last first with ``reverse``), with a progress bar on a
+    terminal and one line per point otherwise; a task started after ``deadline`` is recorded as skipped, one
+    that raises as failed."""
     from .harness import classify, free_memory, short_line
 
     tasks = [t for t in tasks if not match or re.search(match, t.label)]
+    if reverse:
+        tasks = tasks[::-1]
     try:
         from tqdm import tqdm
 
@@ -119,7 +122,8 @@ def _worker(args) -> int:
             out.flush()
 
         tasks = module_tasks(args.module, args.quick, args.smoke)
-        run_tasks(args.module, tasks, ceilings, match=args.match, deadline=args.deadline, emit=emit)
+        run_tasks(args.module, tasks, ceilings, match=args.match, deadline=args.deadline, emit=emit,
+                  reverse=args.reverse)
     return 0
 
 
@@ -235,6 +239,8 @@ def _run(args) -> int:
             extra = ["--module", name, "--ceilings", json.dumps(ceilings)]
             if args.match:
                 extra += ["--match", args.match]
+            if args.reverse:
+                extra.append("--reverse")
             if deadline is not None:
                 extra += ["--deadline", str(deadline)]
             # past the time limit a task still running gets one more minute, then the worker is stopped (its
@@ -248,7 +254,7 @@ def _run(args) -> int:
         else:
             try:
                 tasks = module_tasks(name, args.quick, args.smoke)
-                points = run_tasks(name, tasks, ceilings, match=args.match, deadline=deadline)
+                points = run_tasks(name, tasks, ceilings, match=args.match, deadline=deadline, reverse=args.reverse)
             except Exception as err:
                 traceback.print_exc()
                 points = [{"module": name, "kind": "kernel", "kernel": name, "pass": "-", "shape": "-",
@@ -283,6 +289,8 @@ def main(argv=None):
     run.add_argument("--out-dir", default=None, help="where the results go (default benchmarks/results)")
     run.add_argument("--mirror", default=None, help="also copy the results files here after each module")
     run.add_argument("--fresh", action="store_true", help="do not merge into an existing results file")
+    run.add_argument("--reverse", action="store_true",
+                     help="run each module's tasks last first (does a point's time depend on what ran before it?)")
     run.add_argument("--render", default=None, metavar="JSON", help="only re-render this results file")
     iso = run.add_mutually_exclusive_group()
     iso.add_argument("--isolate", dest="isolate", action="store_true", default=None,
@@ -300,6 +308,7 @@ def main(argv=None):
     worker.add_argument("--smoke", action="store_true")
     worker.add_argument("--match", default=None)
     worker.add_argument("--deadline", type=float, default=None)
+    worker.add_argument("--reverse", action="store_true")
     worker.add_argument("--ceilings", default="{}")
     worker.add_argument("--ceilings-only", action="store_true")
     worker.add_argument("--points-file", required=True)

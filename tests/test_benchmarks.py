@@ -206,6 +206,20 @@ def test_time_limit_skips_and_a_second_run_merges(tmp_path):
     assert "kl_div" in open(path[:-5] + ".md").read()
 
 
+def test_reverse_runs_each_modules_tasks_last_first(tmp_path):
+    """``--reverse`` (for telling order effects from the ops' own times) measures the same points, last first,
+    in a worker process too."""
+    args = ["run", "--smoke", "--fresh", "--out-dir", str(tmp_path), "--kernels", "kl_div", "--match",
+            "(liger_torch|torch_eager)$"]
+    orders = []
+    for extra in ([], ["--reverse"], ["--reverse", "--isolate"]):
+        assert main(args + ["--no-isolate"] * ("--isolate" not in extra) + extra) == 0
+        _, results = _load(tmp_path)
+        orders.append([(p["provider"], p["status"]) for p in results["points"]])
+    assert len(orders[0]) == 2 and all(status == "ok" for _, status in orders[0])
+    assert orders[1] == orders[2] == orders[0][::-1]
+
+
 def test_merge_keeps_the_latest_measured_point_of_each_key(tmp_path):
     """``merge``: a later file's point replaces an earlier one, unless the later run only skipped it; points
     only in one file are kept; each names its file; the runs are listed together."""
@@ -498,6 +512,26 @@ def test_jax_fwd_bwd_runner_keeps_the_forward():
     (grad,), out = first_call(jax_pass_runner(lambda a: a * 3.0, (x,), d, "fwd+bwd"))  # gradients first
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) * 3.0, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(d) * 3.0, rtol=1e-6)
+
+
+def test_jax_fwd_bwd_runner_returns_only_the_chosen_gradients():
+    """``returned_grads`` leaves out a gradient that is the same array as another (a residual add's): the
+    program returns the forward's outputs and the chosen gradients, in their order."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.harness import jax_pass_runner
+
+    k = jax.random.split(jax.random.key(10), 4)
+    x, r, w = (jax.random.normal(k[i], (16, 8), jnp.float32) for i in range(3))
+    d = jax.random.normal(k[3], (16, 8), jnp.float32)
+    f = lambda a, b, s: (a + b) * s
+    grads, out = first_call(jax_pass_runner(f, (x, r, w), d, "fwd+bwd", returned_grads=(0, 2)))
+    assert len(grads) == 2
+    np.testing.assert_allclose(np.asarray(out), np.asarray((x + r) * w), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(d * w), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(d * (x + r)), rtol=1e-6)
 
 
 def test_jax_loss_runner_returns_the_loss_with_the_gradients():
