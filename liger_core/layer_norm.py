@@ -42,8 +42,11 @@ def _layer_norm_forward_kernel(
     B, b_stride,
     n_rows, n_cols, eps,
     Y, MEAN, RSTD,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FULL_ROW: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    """FULL_ROW: n_cols == BLOCK_N, so no column is masked and the centred values need no select (a masked row
+    is all zeros and stays so)."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,20 +62,25 @@ def _layer_norm_forward_kernel(
         b = tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)
     xf = x.to(tl.float32)  # all arithmetic in fp32 (the interpreter cannot do bf16 arithmetic)
     mean = tl.sum(xf, axis=1) / n_cols
-    centered = tl.where(mask, xf - mean[:, None], 0.0)
-    # One refinement step: the fp32 sum of a row far from zero carries rounding error that the (small) sum
-    # of the centered values removes.
+    centered = xf - mean[:, None]
+    if not FULL_ROW:
+        centered = tl.where(mask, centered, 0.0)
+    # One refinement step: the fp32 sum of a row far from zero carries rounding error that the (small) sum of
+    # the centred values removes. The variance about the refined mean is sum(c^2)/n - correction^2 (exact), and
+    # the refined centring is folded into the normalisation's FMA below, so the step costs one add per element.
     correction = tl.sum(centered, axis=1) / n_cols
+    var = tl.maximum(tl.sum(centered * centered, axis=1) / n_cols - correction * correction, 0.0)
     mean += correction
-    centered = tl.where(mask, centered - correction[:, None], 0.0)
-    var = tl.sum(centered * centered, axis=1) / n_cols
     rstd = tl.rsqrt(var + eps)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
-    y = centered * rstd[:, None]
+    y = centered * rstd[:, None] - (correction * rstd)[:, None]
     if HAS_WEIGHT:
-        y = y * w[None, :]
-    if HAS_BIAS:
+        if HAS_BIAS:
+            y = y * w[None, :] + b[None, :]
+        else:
+            y = y * w[None, :]
+    elif HAS_BIAS:
         y = y + b[None, :]
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, Y.dtype.element_ty), mask=mask)
 
@@ -210,7 +218,8 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
               n_rows, n_cols, float(eps)),
         outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
                  NewBuffer("rstd", x.shape[:-1], "float32")),
-        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},
+        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
+                    "FULL_ROW": n_cols == block_n},
         num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
     )
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())

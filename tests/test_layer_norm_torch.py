@@ -57,6 +57,23 @@ def test_forward_backward(shape, params, dtype, device, seed):
         assert_close(db, db_ref, dtype, "db", scale=max(1.0, rows ** 0.5))
 
 
+@pytest.mark.parametrize("n_cols", [4096, 1000])
+def test_rows_far_from_zero_keep_fp32_accuracy(n_cols, device, seed):
+    """fp32 rows whose mean is 1000x their spread: an fp32 sum of the row misses the mean by ~1e-4 of the spread,
+    which the kernel's refinement step (the centred values' own sum) removes. Forward, mean/rstd and dx against
+    float64; full rows (4096 columns: no masked column) and masked ones."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(5, n_cols, generator=gen, dtype=torch.float64) + 2000.0).float().to(device)
+    w = (torch.rand(n_cols, generator=gen) + 0.5).to(device)
+    b = torch.randn(n_cols, generator=gen).to(device)
+    g = torch.randn(5, n_cols, generator=gen).to(device)
+    eps = 1e-5
+    y, dx, _, _ = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d, eps), g.clone(), x, w, b)
+    y_ref, dx_ref, _, _ = grads_of(lambda a, c, d: reference(a, c, d, eps), g.double(), x, w, b)
+    assert_close(y, y_ref, torch.float32, "y")
+    assert_close(dx, dx_ref, torch.float32, "dx")
+
+
 def test_bias_without_weight(device, seed):
     x, _, b, g = draw(seed, (7, 123), torch.float32, device=device)
     y, dx, _, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, None, b)
