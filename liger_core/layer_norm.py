@@ -76,11 +76,8 @@ def _layer_norm_forward_kernel(
     tl.store(RSTD + rows, rstd, mask=row_mask)
     y = centered * rstd[:, None] - (correction * rstd)[:, None]
     if HAS_WEIGHT:
-        if HAS_BIAS:
-            y = y * w[None, :] + b[None, :]
-        else:
-            y = y * w[None, :]
-    elif HAS_BIAS:
+        y = y * w[None, :]
+    if HAS_BIAS:
         y = y + b[None, :]
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, Y.dtype.element_ty), mask=mask)
 
