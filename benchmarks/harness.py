@@ -179,13 +179,23 @@ def _sleep_cycles(host_ms: float) -> int:
     return int(min(max(2 * host_ms, 0.05), 10.0) * 2e6)
 
 
+def _l2_flush(torch):
+    """What evicts the inputs from L2 before a repetition: zeroing a 256 MB buffer (the default, as
+    ``triton.testing.do_bench``: L2 is left full of dirty lines), or with ``LIGER_BENCH_FLUSH=read`` reading one
+    (L2 left holding clean lines)."""
+    buf = torch.zeros(64 * 2**20, dtype=torch.float32, device="cuda")
+    if os.environ.get("LIGER_BENCH_FLUSH", "write") == "read":
+        return lambda: torch.amax(buf)
+    return buf.zero_
+
+
 def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps, stats: dict | None = None) -> list[float]:
     """GPU milliseconds of each repetition: CUDA events around it, L2 flushed before it, and the GPU kept busy
     (a spin kernel) while the host enqueues it, so the time is the op's device time, not its launch overhead
     (``stats["host_ms"]`` gets that). An op that synchronises with the host inside still pays for it."""
     torch = _torch()
     prepare = _prepare(run)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    flush = _l2_flush(torch)
     prepare()
     run()  # first call: compilation, autotuning, lazy allocations
     torch.cuda.synchronize()
@@ -194,7 +204,7 @@ def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps, stats: dict | None = 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         prepare()
-        flush.zero_()
+        flush()
         torch.cuda._sleep(cycles)
         start.record()
         run()
@@ -212,7 +222,7 @@ def _time_cuda(run, warmup_ms, rep_ms, min_reps, max_reps, stats: dict | None = 
         run()
     for i in range(n_reps):
         prepare()
-        flush.zero_()
+        flush()
         torch.cuda._sleep(cycles)
         starts[i].record()
         run()

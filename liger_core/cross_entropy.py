@@ -36,7 +36,7 @@ from .launch import (
     contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
 )
 from .rowwise import row_view
-from .reduce import sum_partials_launch
+from .reduce import sum_partial_pairs_launch, sum_partials_launch
 
 REDUCTIONS = ("mean", "sum", "none")
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
@@ -439,12 +439,13 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     outputs = ["loss_rows"]
     if return_z_loss:
         outputs.append("z_rows")
-    if reduction != "none":
+    if reduction != "none" and return_z_loss:
+        launches.append(sum_partial_pairs_launch(("loss_rows", "z_rows"), ("loss", "z_loss"), 1, n_rows, 1,
+                                                 (logits.dtype, logits.dtype), out_shape=()))
+        outputs = ["loss", "z_loss"]
+    elif reduction != "none":
         launches.append(sum_partials_launch("loss_rows", "loss", 1, n_rows, 1, logits.dtype, out_shape=()))
         outputs[0] = "loss"
-        if return_z_loss:
-            launches.append(sum_partials_launch("z_rows", "z_loss", 1, n_rows, 1, logits.dtype, out_shape=()))
-            outputs[1] = "z_loss"
     if compute_grad:
         outputs.append("grad")
     inputs = ("logits", "target", "weight") if weight is not None else ("logits", "target")

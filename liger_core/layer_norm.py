@@ -22,7 +22,7 @@ from .launch import (
     FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_float, check_nonempty,
     next_power_of_2, promote, warps_for,
 )
-from .reduce import sum_partials_launch
+from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import load_backward_rows
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 
@@ -267,10 +267,14 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
     )
     inputs = ("dy", "x") + (("weight",) if has_weight else ()) + ("mean", "rstd")
     launches, outputs = [main], ["dx"]
-    if has_weight:
+    if has_weight and has_bias:
+        launches.append(sum_partial_pairs_launch(("dw_partial", "db_partial"), ("dw", "db"), groups, n_programs,
+                                                 n_cols, (weight.dtype, bias.dtype)))
+        outputs += ["dw", "db"]
+    elif has_weight:
         launches.append(sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype))
         outputs.append("dw")
-    if has_bias:
+    elif has_bias:
         launches.append(sum_partials_launch("db_partial", "db", groups, n_programs, n_cols, bias.dtype))
         outputs.append("db")
     return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs))

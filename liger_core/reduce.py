@@ -15,18 +15,9 @@ from .launch import Buf, Launch, NewBuffer, cdiv, next_power_of_2, warps_for
 
 
 @triton.jit
-def _sum_partials_kernel(
-    PARTIALS,
-    n_partials,
-    n_cols,
-    OUT,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    n_cols = aligned(n_cols, ALIGN)
-    col_block = tl.program_id(0)
-    group = tl.program_id(1).to(tl.int64)
+def sum_partial_columns(PARTIALS, OUT, n_partials, n_cols, col_block, group, BLOCK_P: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """OUT[group, cols] = sum over p of PARTIALS[group, p, cols], for this program's block of columns."""
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     base = PARTIALS + group * n_partials * n_cols
@@ -37,6 +28,44 @@ def _sum_partials_kernel(
         acc += tl.load(base + p[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
     tl.store(OUT + group * n_cols + cols, cast(total, OUT.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    PARTIALS,
+    n_partials,
+    n_cols,
+    OUT,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    n_cols = aligned(n_cols, ALIGN)
+    sum_partial_columns(PARTIALS, OUT, n_partials, n_cols, tl.program_id(0), tl.program_id(1).to(tl.int64),
+                        BLOCK_P, BLOCK_N)
+
+
+@triton.jit
+def _sum_partial_pairs_kernel(
+    PARTIALS_A,
+    PARTIALS_B,
+    n_partials,
+    n_cols,
+    OUT_A,
+    OUT_B,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Two reductions of the same shape in one launch (grid axis 2 picks which): LayerNorm's dW and dB, a loss
+    and its z-loss. Each is a few microseconds of work; a second launch costs as much again."""
+    n_cols = aligned(n_cols, ALIGN)
+    col_block = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)
+    if tl.program_id(2) == 0:
+        sum_partial_columns(PARTIALS_A, OUT_A, n_partials, n_cols, col_block, group, BLOCK_P, BLOCK_N)
+    else:
+        sum_partial_columns(PARTIALS_B, OUT_B, n_partials, n_cols, col_block, group, BLOCK_P, BLOCK_N)
 
 
 # A program sums a (BLOCK_P, BLOCK_N) tile per step: ~_TILE values (16 per thread at 8 warps), its columns
@@ -55,16 +84,35 @@ def sum_partials_tile(n_partials: int, n_cols: int) -> tuple[int, int]:
     return block_p, block_n
 
 
+def _out_shape(groups: int, n_cols: int, out_shape) -> tuple:
+    return tuple(out_shape) if out_shape is not None else ((n_cols,) if groups == 1 else (groups, n_cols))
+
+
 def sum_partials_launch(partials: str, out: str, groups: int, n_partials: int, n_cols: int, dtype: str,
                         out_shape=None) -> Launch:
     """Launch summing ``partials`` (groups, n_partials, n_cols) fp32 over axis 1 into a new buffer ``out``."""
     block_p, block_n = sum_partials_tile(n_partials, n_cols)
-    shape = tuple(out_shape) if out_shape is not None else ((n_cols,) if groups == 1 else (groups, n_cols))
     return Launch(
         kernel=_sum_partials_kernel,
         grid=(cdiv(n_cols, block_n), groups),
         args=(Buf(partials), n_partials, n_cols),
-        outputs=(NewBuffer(out, shape, dtype),),
+        outputs=(NewBuffer(out, _out_shape(groups, n_cols, out_shape), dtype),),
+        constexprs={"BLOCK_P": block_p, "BLOCK_N": block_n},
+        num_warps=warps_for(block_p * block_n, max_warps=8),
+    )
+
+
+def sum_partial_pairs_launch(partials: tuple[str, str], outs: tuple[str, str], groups: int, n_partials: int,
+                             n_cols: int, dtypes: tuple[str, str], out_shape=None) -> Launch:
+    """One launch doing :func:`sum_partials_launch` for two partial buffers of the same shape: ``partials[i]``
+    summed into a new buffer ``outs[i]`` of ``dtypes[i]``."""
+    block_p, block_n = sum_partials_tile(n_partials, n_cols)
+    shape = _out_shape(groups, n_cols, out_shape)
+    return Launch(
+        kernel=_sum_partial_pairs_kernel,
+        grid=(cdiv(n_cols, block_n), groups, 2),
+        args=(Buf(partials[0]), Buf(partials[1]), n_partials, n_cols),
+        outputs=(NewBuffer(outs[0], shape, dtypes[0]), NewBuffer(outs[1], shape, dtypes[1])),
         constexprs={"BLOCK_P": block_p, "BLOCK_N": block_n},
         num_warps=warps_for(block_p * block_n, max_warps=8),
     )

@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from liger_core import cross_entropy, fused_add_rms_norm, jsd, kl_div, layer_norm, rms_norm, rope, swiglu  # noqa: E402
 from liger_core.launch import ArrayInfo, Buf, Plan  # noqa: E402
-from liger_core.reduce import sum_partials_launch  # noqa: E402
+from liger_core.reduce import sum_partial_pairs_launch, sum_partials_launch  # noqa: E402
 
 TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int64": "i64",
                 "int32": "i32"}
@@ -78,6 +78,13 @@ def cases():
             Plan(inputs=("partials",), launches=(sum_partials_launch("partials", "dw", 1, 132, 4096, "bfloat16"),),
                  outputs=("dw",)),
             {"partials": ArrayInfo.contiguous((1, 132, 4096), "float32")}),
+        "sum_partial_pairs, weight and bias gradients": (
+            Plan(inputs=("dw_partial", "db_partial"),
+                 launches=(sum_partial_pairs_launch(("dw_partial", "db_partial"), ("dw", "db"), 1, 132, 4096,
+                                                    ("bfloat16", "bfloat16")),),
+                 outputs=("dw", "db")),
+            {"dw_partial": ArrayInfo.contiguous((1, 132, 4096), "float32"),
+             "db_partial": ArrayInfo.contiguous((1, 132, 4096), "float32")}),
         "jsd on logits": (jsd.chunk_plan(64, 32000, "bfloat16", "bfloat16", None, beta=0.5, ignore_index=-100,
                                          n_total_rows=64, temperature=2.0, compute_grad=True),
                           {"student": logits, "teacher": logits}),
