@@ -22,7 +22,8 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, _check_inputs, load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel,
+    CASTING_MODES, _check_inputs, backward_variant, load_scale, normalize_and_scale, output_dtype,
+    rms_norm_backward_kernel,
 )
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 from .tl_math import aligned, cast, round_to
@@ -121,7 +122,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
                   num_sms: int, in_place: bool = True, in_place_residual: bool | None = None,
                   separate_residual_grad: bool = True,
                   groups: int = 1, programs_per_sm: int | None = None, block_m: int | None = None,
-                  num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
+                  num_warps: int | None = None, prefetch: bool | None = None,
+                  reload: bool | None = None) -> Plan:
     """Plan for ``dx, dresidual, dw = fused_add_rms_norm_backward(dy, dh, h, weight, rstd)``.
 
     Inputs ``dy`` (gradient of y), ``dh`` (gradient of the returned h; None when it has none), ``h``, ``rstd``
@@ -129,8 +131,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     ``separate_residual_grad`` (else dresidual is dx: a caller may only skip it when the dtypes agree), then
     ``dw`` with a weight. With ``in_place``, dx is written over dy, and with ``in_place_residual`` (default:
     ``in_place``) dresidual over dh, where the dtypes agree and the gradient is dense. ``groups`` as in
-    :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``, ``block_m``, ``num_warps`` and ``prefetch``
-    override the launch configuration (for tuning).
+    :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``, ``block_m``, ``num_warps``, ``prefetch`` and
+    ``reload`` override the launch configuration (for tuning and tests; :func:`liger_core.rms_norm.backward_variant`).
     """
     _check_inputs(h, weight, casting_mode)
     check_finite(offset, "offset")
@@ -149,8 +151,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     group_rows = rows_in_group(n_rows, groups)
     block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
-    if prefetch is None:
-        prefetch = block_m * block_n <= _BACKWARD_TILE
+    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload)
     grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
     n_programs = grid.n_programs
     dx, *dx_strides = gradient_output("dx", h.shape, x_dtype, "dy" if in_place else None, dy, n_rows, n_cols)
@@ -173,7 +174,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
         outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad,
-                    "PREFETCH": prefetch},
+                    "PREFETCH": prefetch, "RELOAD": reload},
         num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)

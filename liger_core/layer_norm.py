@@ -23,7 +23,7 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
-from .rms_norm import load_backward_rows
+from .rms_norm import backward_variant, load_backward_rows
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
@@ -102,10 +102,13 @@ def _layer_norm_backward_kernel(
     rows_per_group, n_cols, rows_per_program,
     DX, DW_PARTIAL, DB_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr, RELOAD: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
-    PREFETCH the next tile's loads are issued before the current tile is computed (as RMSNorm's backward)."""
+    PREFETCH the next tile's loads are issued before the current tile is computed (as RMSNorm's backward).
+    With RELOAD (wide rows) nothing but the gradient accumulators stays in registers across the row's
+    reductions: the weight is loaded with each tile, and dy, x and w are loaded again (from L1/L2) for dx and
+    the accumulators, instead of being held (at 16384 columns the held tile spilled)."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
     dx_row_stride = aligned(dx_row_stride, ALIGN)
@@ -119,7 +122,8 @@ def _layer_norm_backward_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     if HAS_WEIGHT:
-        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+        if not RELOAD:
+            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -140,20 +144,41 @@ def _layer_norm_backward_kernel(
                                                     col_mask)
         rows = first_row + local.to(tl.int64)
         mask = (local < row_end)[:, None] & col_mask[None, :]
+        if RELOAD and HAS_WEIGHT:
+            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
         dy = dy.to(tl.float32)
         # no mask: a masked element has dy = 0 (so dxhat = 0 and it adds nothing below) and is not stored
         xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
         if HAS_WEIGHT:
-            dw_acc += dy * xhat
             dxhat = dy * w[None, :]
         else:
             dxhat = dy
-        if HAS_BIAS:
-            db_acc += dy
+        if not RELOAD:
+            if HAS_WEIGHT:
+                dw_acc += dy * xhat
+            if HAS_BIAS:
+                db_acc += dy
         # dx = (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) * rstd, as two FMAs per element: the row
         # constants take rstd in first
         c_dot = tl.sum(dxhat * xhat, axis=1) / n_cols * rstd
         c_mean = tl.sum(dxhat, axis=1) / n_cols * rstd
+        if RELOAD:
+            offsets = local[:, None].to(tl.int64)
+            # ".ca" (the default caching, spelled out): an identical load would be merged with the first one,
+            # which keeps the tile live across the reductions again
+            dy_again = tl.load(DY + (first_row + offsets) * dy_row_stride + cols[None, :] * dy_col_stride,
+                               mask=mask, other=0.0, cache_modifier=".ca").to(tl.float32)
+            x_again = tl.load(X + (first_row + offsets) * x_row_stride + cols[None, :] * x_col_stride,
+                              mask=mask, other=0.0, cache_modifier=".ca").to(tl.float32)
+            xhat = (x_again - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                w_again = tl.load(W + cols * w_stride, mask=col_mask, other=0.0, cache_modifier=".ca").to(tl.float32)
+                dw_acc += dy_again * xhat
+                dxhat = dy_again * w_again[None, :]
+            else:
+                dxhat = dy_again
+            if HAS_BIAS:
+                db_acc += dy_again
         dx = dxhat * rstd[:, None] - (xhat * c_dot[:, None] + c_mean[:, None])
         tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :] * dx_col_stride,
                  dx.to(DX.dtype.element_ty), mask=mask)
@@ -226,14 +251,16 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
 @functools.lru_cache(maxsize=1024)
 def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *,
                   num_sms: int, in_place: bool = True, groups: int = 1, programs_per_sm: int | None = None,
-                  block_m: int | None = None, num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
+                  block_m: int | None = None, num_warps: int | None = None, prefetch: bool | None = None,
+                  reload: bool | None = None) -> Plan:
     """Plan for ``dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)``.
 
     Inputs ``dy``, ``x``, ``mean``, ``rstd`` (and ``weight`` when given; the bias itself is not read, only its
     dtype); outputs ``dx``, then ``dw`` with a weight and ``db`` with a bias. With ``in_place`` and dy of x's
     dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal blocks (a folded vmap batch)
     and dw / db have shape (groups, n_cols): one parameter gradient per block. ``programs_per_sm``,
-    ``block_m``, ``num_warps`` and ``prefetch`` override the launch configuration (for tuning).
+    ``block_m``, ``num_warps``, ``prefetch`` and ``reload`` override the launch configuration (for tuning and
+    tests; :func:`liger_core.rms_norm.backward_variant`).
     """
     _check_inputs(x, weight, bias, "weight", "bias")
     if tuple(dy.shape) != tuple(x.shape):
@@ -244,8 +271,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
     group_rows = rows_in_group(n_rows, groups)
     block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
-    if prefetch is None:
-        prefetch = block_m * block_n <= _BACKWARD_TILE
+    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload)
     grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
     n_programs = grid.n_programs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
@@ -262,7 +288,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
         outputs=(dx, NewBuffer("dw_partial", partial_shape if has_weight else (1,), "float32"),
                  NewBuffer("db_partial", partial_shape if has_bias else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
-                    "PREFETCH": prefetch},
+                    "PREFETCH": prefetch, "RELOAD": reload},
         num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy", "x") + (("weight",) if has_weight else ()) + ("mean", "rstd")

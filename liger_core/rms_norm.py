@@ -109,6 +109,14 @@ def load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_
 
 
 @triton.jit
+def weight_gradient_term(dy, normed, x_dtype: tl.constexpr, CASTING: tl.constexpr):
+    """One tile's dy * d(y)/d(w): llama multiplies w by the normalised x already rounded to x's dtype."""
+    if CASTING == 0:
+        return dy * round_to(normed, x_dtype)
+    return dy * normed
+
+
+@triton.jit
 def rms_norm_backward_kernel(
     DY, dy_row_stride, dy_col_stride,
     DH, dh_row_stride, dh_col_stride,
@@ -120,14 +128,19 @@ def rms_norm_backward_kernel(
     rows_per_group, n_cols, offset, rows_per_program,
     DX, DR, DW_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, PREFETCH: tl.constexpr, RELOAD: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
     PREFETCH the next tile's dy, x and rstd are loaded before the current tile is computed, hiding HBM latency.
 
     Also the fused add+RMSNorm backward (:mod:`liger_core.fused_add_rms_norm`, X being h = x + residual): with
     HAS_DH the incoming gradient of h (DH, read once at the end of a tile, not prefetched) is added to dx, and
-    with SEPARATE_DR the sum is stored a second time, as the residual's gradient in its own dtype."""
+    with SEPARATE_DR the sum is stored a second time, as the residual's gradient in its own dtype.
+
+    With RELOAD (wide rows) only the weight-gradient accumulator stays in registers across a row's reduction:
+    the weight is loaded with each tile, and dy, x and w are loaded again (L1/L2 hits) for dx and the
+    accumulator instead of being held (at 16384 columns the held tile spilled)."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     dh_row_stride = aligned(dh_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
@@ -143,7 +156,8 @@ def rms_norm_backward_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     if HAS_WEIGHT:
-        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
+        if not RELOAD:
+            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
         next_dy, next_x, next_rstd = load_backward_rows(
@@ -161,17 +175,32 @@ def rms_norm_backward_kernel(
                                              RSTD, first_row, local, row_end, cols, col_mask)
         rows = first_row + local.to(tl.int64)
         mask = (local < row_end)[:, None] & col_mask[None, :]
+        if RELOAD and HAS_WEIGHT:
+            w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
         dy = dy.to(tl.float32)
         normed = x.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
-            if CASTING == 0:  # llama multiplies w by the normalised x already rounded to x's dtype
-                dw_acc += dy * round_to(normed, x.dtype)
-            else:
-                dw_acc += dy * normed
+            if not RELOAD:
+                dw_acc += weight_gradient_term(dy, normed, x.dtype, CASTING)
             dnormed = dy * w[None, :]
         else:
             dnormed = dy
         mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
+        if RELOAD:
+            # ".ca" (the default caching, spelled out): a load identical to the first would be merged with it,
+            # which would keep the tile live across the reduction again
+            dy_again = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask,
+                               other=0.0, cache_modifier=".ca").to(tl.float32)
+            x_again = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask,
+                              other=0.0, cache_modifier=".ca")
+            normed = x_again.to(tl.float32) * rstd[:, None]
+            if HAS_WEIGHT:
+                w_again = tl.load(W + cols * w_stride, mask=col_mask, other=0.0,
+                                  cache_modifier=".ca").to(tl.float32) + offset
+                dw_acc += weight_gradient_term(dy_again, normed, x_again.dtype, CASTING)
+                dnormed = dy_again * w_again[None, :]
+            else:
+                dnormed = dy_again
         dx = (dnormed - normed * mean_dot[:, None]) * rstd[:, None]
         if HAS_DH:
             dh_in = tl.load(DH + rows[:, None] * dh_row_stride + cols[None, :] * dh_col_stride, mask=mask,
@@ -240,17 +269,28 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 
 
+def backward_variant(tile_elements: int, prefetch: bool | None, reload: bool | None) -> tuple[bool, bool]:
+    """``(prefetch, reload)`` of a norm backward's tiles (shared by RMSNorm, fused add+RMSNorm and LayerNorm):
+    tiles up to ``_BACKWARD_TILE`` elements prefetch the next one; wider rows (one row a tile, 16384 columns
+    and up) reload their tile after the row's reduction instead of holding it (ptxas: the held 16384-column
+    tile spilled 88 / 64 / 244 bytes a thread in the three backwards). ``prefetch`` / ``reload`` override."""
+    wide = tile_elements > _BACKWARD_TILE
+    return (not wide if prefetch is None else prefetch), (wide if reload is None else reload)
+
+
 @functools.lru_cache(maxsize=1024)
 def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offset: float = 0.0,
                   casting_mode: str = "llama", num_sms: int, in_place: bool = True, groups: int = 1,
                   programs_per_sm: int | None = None, block_m: int | None = None,
-                  num_warps: int | None = None, prefetch: bool | None = None) -> Plan:
+                  num_warps: int | None = None, prefetch: bool | None = None,
+                  reload: bool | None = None) -> Plan:
     """Plan for ``dx, dw = rms_norm_backward(dy, x, weight, rstd)``.
 
     Inputs ``dy``, ``x``, ``rstd`` (and ``weight``); outputs ``dx`` (and ``dw`` with a weight). With
     ``in_place`` and dy of x's dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal
     blocks (a folded vmap batch) and dw has shape (groups, n_cols): one weight gradient per block.
-    ``programs_per_sm``, ``block_m`` and ``num_warps`` override the tuned launch configuration (for tuning).
+    ``programs_per_sm``, ``block_m``, ``num_warps``, ``prefetch`` and ``reload`` override the tuned launch
+    configuration (for tuning and tests).
     """
     _check_inputs(x, weight, casting_mode)
     check_finite(offset, "offset")
@@ -262,8 +302,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     group_rows = rows_in_group(n_rows, groups)
     block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
     block_m = block_m or block_m_default
-    if prefetch is None:
-        prefetch = block_m * block_n <= _BACKWARD_TILE
+    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload)
     grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
     n_programs = grid.n_programs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
@@ -281,7 +320,8 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
               group_rows, n_cols, float(offset), grid.rows_per_program),
         outputs=(dx, NewBuffer("dr_unused", (1,), x.dtype), NewBuffer("dw_partial", partial_shape, "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
-                    "HAS_WEIGHT": has_weight, "HAS_DH": False, "SEPARATE_DR": False, "PREFETCH": prefetch},
+                    "HAS_WEIGHT": has_weight, "HAS_DH": False, "SEPARATE_DR": False, "PREFETCH": prefetch,
+                    "RELOAD": reload},
         num_warps=num_warps or warps_for(block_m * block_n),
     )
     inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")

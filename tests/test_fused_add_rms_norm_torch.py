@@ -288,9 +288,11 @@ def test_fp16_rounding_points_match_hf(mode, device, seed):
     assert ((y.float() - y_ref.float()).abs() <= ulps * (y_ref.float().abs() * 2 ** -10 + 2 ** -24)).all()
 
 
-@pytest.mark.parametrize("prefetch,block_m", [(False, 1), (True, 1), (False, 4), (True, 4)])
+@pytest.mark.parametrize("prefetch,block_m,reload", [(False, 1, False), (True, 1, False), (False, 4, False),
+                                                   (True, 4, False), (False, 1, True), (False, 4, True),
+                                                   (True, 2, True)])
 @pytest.mark.parametrize("with_dh", [True, False])
-def test_backward_launch_variants_agree(prefetch, block_m, with_dh, device, seed):
+def test_backward_launch_variants_agree(prefetch, block_m, reload, with_dh, device, seed):
     """The backward's launch variants (prefetching the next tile or not, tile height; 3 programs over 37 rows,
     so tiles run past a program's last row), with and without an incoming gradient for h."""
     from liger_core import fused_add_rms_norm as core
@@ -301,7 +303,7 @@ def test_backward_launch_variants_agree(prefetch, block_m, with_dh, device, seed
     dh = gh if with_dh else None
     plan = core.backward_plan(info(gy), None if dh is None else info(dh), info(h), info(w), x_dtype="float32",
                               residual_dtype="float32", num_sms=3, in_place=False, block_m=block_m,
-                              prefetch=prefetch)
+                              prefetch=prefetch, reload=reload)
     inputs = dict(dy=gy, h=h, weight=w, rstd=rstd, **({"dh": dh} if with_dh else {}))
     dx, dr, dw = run_plan(plan, **inputs)
     want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x.double(), r.double(), w.double(),

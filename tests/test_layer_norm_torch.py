@@ -209,8 +209,10 @@ def test_fp16_rounds_once_like_torch(device, seed):
     assert ((y.float() - y_ref.float()).abs() <= y_ref.float().abs() * 2 ** -10 + 1e-6).all()
 
 
-@pytest.mark.parametrize("prefetch,block_m", [(False, 1), (True, 1), (False, 4), (True, 4)])
-def test_backward_launch_variants_agree(prefetch, block_m, device, seed):
+@pytest.mark.parametrize("prefetch,block_m,reload", [(False, 1, False), (True, 1, False), (False, 4, False),
+                                                   (True, 4, False), (False, 1, True), (False, 4, True),
+                                                   (True, 2, True)])
+def test_backward_launch_variants_agree(prefetch, block_m, reload, device, seed):
     """The backward's launch variants (prefetching the next tile or not, tile height; 3 programs over 37 rows,
     so tiles run past a program's last row) compute the same gradients."""
     from liger_core import layer_norm as core
@@ -219,7 +221,7 @@ def test_backward_launch_variants_agree(prefetch, block_m, device, seed):
     x, w, b, dy = draw(seed, (37, 123), torch.float32, device=device)
     _, mean, rstd = run_plan(core.forward_plan(info(x), info(w), info(b), eps=1e-5), x=x, weight=w, bias=b)
     plan = core.backward_plan(info(dy), info(x), info(w), info(b), num_sms=3, in_place=False, block_m=block_m,
-                              prefetch=prefetch)
+                              prefetch=prefetch, reload=reload)
     dx, dw, db = run_plan(plan, dy=dy, x=x, weight=w, mean=mean, rstd=rstd)
     _, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), dy.double(), x, w, b)
     assert_close(dx, dx_ref, torch.float32, "dx")

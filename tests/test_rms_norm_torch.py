@@ -210,8 +210,10 @@ def test_repeated_calls_and_unaligned_views(device, seed):
         assert_close(buf.grad[offset:offset + 5 * 96].view(5, 96), x_ref.grad, torch.bfloat16, "dx")
 
 
-@pytest.mark.parametrize("prefetch,block_m", [(False, 1), (True, 1), (False, 4), (True, 4)])
-def test_backward_launch_variants_agree(prefetch, block_m, device, seed):
+@pytest.mark.parametrize("prefetch,block_m,reload", [(False, 1, False), (True, 1, False), (False, 4, False),
+                                                   (True, 4, False), (False, 1, True), (False, 4, True),
+                                                   (True, 2, True)])
+def test_backward_launch_variants_agree(prefetch, block_m, reload, device, seed):
     """The backward's tuned variants (prefetching the next tile or not, tile height) compute the same thing."""
     from liger_core import rms_norm as core
     from liger_torch._launch import info, run_plan
@@ -222,7 +224,7 @@ def test_backward_launch_variants_agree(prefetch, block_m, device, seed):
     dy = torch.randn(37, 123, generator=gen).to(device)
     _, rstd = run_plan(core.forward_plan(info(x), info(w), eps=1e-6), x=x, weight=w)
     plan = core.backward_plan(info(dy), info(x), info(w), num_sms=3, in_place=False, block_m=block_m,
-                              prefetch=prefetch)
+                              prefetch=prefetch, reload=reload)
     dx, dw = run_plan(plan, dy=dy, x=x, weight=w, rstd=rstd)
     _, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x, w, dy.double())
     assert_close(dx, dx_ref, torch.float32, "dx")
@@ -274,3 +276,22 @@ def test_recompute_norm_outputs_refuses_an_input_modified_in_place(device, seed)
     x.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified in place"):
         out.backward()
+
+
+@pytest.mark.parametrize("casting_mode", ["llama", "gemma"])
+def test_wide_row_reload_is_bitwise_the_held_tile(casting_mode, device, seed):
+    """Wide rows reload their tile after the row's reduction instead of holding it (``reload``, the default
+    above 8192 columns): the same arithmetic in the same order, so bf16 gradients are bitwise those of the held
+    tile, llama's rounding of the normalised x included."""
+    from liger_core import rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(37, 123, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    w = (torch.rand(123, generator=gen) + 0.5).to(device, torch.bfloat16)
+    _, rstd = run_plan(core.forward_plan(info(x), info(w), eps=1e-6, casting_mode=casting_mode), x=x, weight=w)
+    grads = [run_plan(core.backward_plan(info(dy), info(x), info(w), casting_mode=casting_mode, num_sms=3,
+                                         in_place=False, block_m=2, prefetch=False, reload=reload),
+                      dy=dy, x=x, weight=w, rstd=rstd) for reload in (False, True)]
+    for held, reloaded, name in zip(*grads, ("dx", "dw")):
+        assert torch.equal(held, reloaded), name

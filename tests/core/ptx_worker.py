@@ -38,6 +38,7 @@ def cases():
     logits, target = bf16(64, 32000), ArrayInfo.contiguous((64,), "int64")
     a = bf16(64, 14336)
     rows = ArrayInfo.contiguous((64,), "float32")
+    wide, wide_w = bf16(64, 16384), bf16(16384)
     scalar = ArrayInfo.contiguous((), "float32")
     return {
         "rms_norm forward": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
@@ -74,6 +75,16 @@ def cases():
         "kl_div backward": (kl_div.backward_plan(scalar, logits, logits, reduction="sum"),
                             {"grad_output": scalar, "target": logits}),
         "jsd": (jsd.forward_plan(logits, logits), {"student": logits, "teacher": logits}),
+        # wide rows: one 16384-column row a tile, reloaded after the row's reduction instead of held
+        "rms_norm backward, 16384 columns": (rms_norm.backward_plan(wide, wide, wide_w, num_sms=132),
+                                             {"dy": wide, "x": wide, "weight": wide_w, "rstd": rows}),
+        "fused_add_rms_norm backward, 16384 columns": (
+            fused_add_rms_norm.backward_plan(wide, wide, wide, wide_w, x_dtype="bfloat16",
+                                             residual_dtype="bfloat16", num_sms=132),
+            {"dy": wide, "dh": wide, "h": wide, "weight": wide_w, "rstd": rows}),
+        "layer_norm backward, 16384 columns": (
+            layer_norm.backward_plan(wide, wide, wide_w, wide_w, num_sms=132),
+            {"dy": wide, "x": wide, "weight": wide_w, "bias": wide_w, "mean": rows, "rstd": rows}),
         "sum_partials, weight gradient": (
             Plan(inputs=("partials",), launches=(sum_partials_launch("partials", "dw", 1, 132, 4096, "bfloat16"),),
                  outputs=("dw",)),

@@ -94,3 +94,18 @@ def test_partial_sums_load_16_bytes_at_a_time(tmp_path, case):
     (unhinted,) = [r for r in compile_all(tmp_path, case, "--force-align1", reductions=True) if r["case"] == case]
     assert hinted["align"] == 16 and hinted["v4_loads"] > 0, hinted
     assert unhinted["v4_loads"] == 0, unhinted
+
+
+WIDE_BACKWARDS = {"rms_norm backward, 16384 columns": 0, "fused_add_rms_norm backward, 16384 columns": 0,
+                  "layer_norm backward, 16384 columns": 128}
+
+
+def test_wide_norm_backwards_reload_instead_of_spilling(tmp_path):
+    """At 16384 columns (one row a tile, 32 values a thread at 16 warps) the norm backwards held their tile
+    across the row's reduction and spilled (ptxas: RMSNorm 88, fused add+RMSNorm 64, LayerNorm 244 bytes a
+    thread); reloading it after the reduction leaves RMSNorm's and fused add+RMSNorm's without spills and halves
+    LayerNorm's (its dW and dB accumulators are 64 registers a thread)."""
+    rows = [r for r in compile_all(tmp_path, *sorted(WIDE_BACKWARDS), "--report") if r["case"] in WIDE_BACKWARDS]
+    assert {r["case"] for r in rows} == set(WIDE_BACKWARDS)
+    for r in rows:
+        assert r["spill_store_bytes"] is not None and r["spill_store_bytes"] <= WIDE_BACKWARDS[r["case"]], r
