@@ -1,8 +1,8 @@
 """GPU sweep of the LayerNorm and fused add+RMSNorm backward launch configurations (prefetch, programs per SM,
-tile height, warps), timed with CUDA graphs, against the copy floor. Prints one table; the default
-configuration is marked with *.
+tile height, warps; at rows over 8192 columns also reloading the tile after the row's reduction or holding it),
+timed with CUDA graphs, against the copy floor. Prints one table; the default configuration is marked with *.
 
-    python3 scripts/tune_norm_backward.py [--out FILE]
+    python3 scripts/tune_norm_backward.py [--shapes 16384x4096 65536x4096 4096x16384] [--out FILE]
 """
 
 import argparse
@@ -15,7 +15,7 @@ from liger_core import fused_add_rms_norm, layer_norm
 from liger_torch._launch import info, num_sms, run_plan
 
 SHAPES = [(16384, 4096), (65536, 4096), (4096, 16384)]
-SHORT = {"prefetch": "pf", "programs_per_sm": "per_sm", "block_m": "bm", "num_warps": "warps"}
+SHORT = {"prefetch": "pf", "programs_per_sm": "per_sm", "block_m": "bm", "num_warps": "warps", "reload": "rl"}
 COPY_BYTES_PER_S = 4.25e12  # the H200's measured copy bandwidth (benchmarks/results, ceilings)
 
 
@@ -56,17 +56,21 @@ def fused_add_case(n, h):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--shapes", nargs="+", default=[f"{n}x{h}" for n, h in SHAPES])
     args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
              f"{'kernel':<20}{'shape':<12}{'config':<34}{'ms':>8}{'of floor':>10}"]
     print("\n".join(lines), flush=True)
     for (name, make), (n, h) in itertools.product((("layer_norm", layer_norm_case),
-                                                   ("fused_add_rms_norm", fused_add_case)), SHAPES):
+                                                   ("fused_add_rms_norm", fused_add_case)), shapes):
         plan, inputs, nbytes = make(n, h)
         floor = nbytes / COPY_BYTES_PER_S * 1e3
-        configs = [{}] + [dict(prefetch=p, programs_per_sm=s, block_m=bm, num_warps=w)
-                          for p, s, bm, w in itertools.product((False, True), (1, 2),
-                                                               (max(1, 4096 // h), max(1, 8192 // h)), (8, 16))]
+        reloads = (False, True) if h > 8192 else (False,)
+        configs = [{}] + [dict(prefetch=p, programs_per_sm=s, block_m=bm, num_warps=w, reload=rl)
+                          for p, s, bm, w, rl in itertools.product((False, True), (1, 2),
+                                                                   sorted({max(1, 4096 // h), max(1, 8192 // h)}),
+                                                                   (8, 16), reloads)]
         for overrides in configs:
             label = "*default" if not overrides else " ".join(f"{SHORT[k]}={int(v)}" for k, v in overrides.items())
             try:
