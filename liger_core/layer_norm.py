@@ -163,16 +163,16 @@ def _layer_norm_backward_kernel(
         c_dot = tl.sum(dxhat * xhat, axis=1) / n_cols * rstd
         c_mean = tl.sum(dxhat, axis=1) / n_cols * rstd
         if RELOAD:
-            offsets = local[:, None].to(tl.int64)
             # ".ca" (the default caching, spelled out): an identical load would be merged with the first one,
             # which keeps the tile live across the reductions again
-            dy_again = tl.load(DY + (first_row + offsets) * dy_row_stride + cols[None, :] * dy_col_stride,
-                               mask=mask, other=0.0, cache_modifier=".ca").to(tl.float32)
-            x_again = tl.load(X + (first_row + offsets) * x_row_stride + cols[None, :] * x_col_stride,
-                              mask=mask, other=0.0, cache_modifier=".ca").to(tl.float32)
+            dy_again = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask,
+                               other=0.0, cache_modifier=".ca").to(tl.float32)
+            x_again = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask,
+                              other=0.0, cache_modifier=".ca").to(tl.float32)
             xhat = (x_again - mean[:, None]) * rstd[:, None]
             if HAS_WEIGHT:
-                w_again = tl.load(W + cols * w_stride, mask=col_mask, other=0.0, cache_modifier=".ca").to(tl.float32)
+                w_again = tl.load(W + cols * w_stride, mask=col_mask, other=0.0,
+                                  cache_modifier=".ca").to(tl.float32)
                 dw_acc += dy_again * xhat
                 dxhat = dy_again * w_again[None, :]
             else:
