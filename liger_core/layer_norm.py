@@ -23,7 +23,7 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
-from .rms_norm import backward_variant, load_backward_rows
+from .rms_norm import backward_variant, load_backward_rows, reload_backward_tile
 from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
@@ -163,13 +163,9 @@ def _layer_norm_backward_kernel(
         c_dot = tl.sum(dxhat * xhat, axis=1) / n_cols * rstd
         c_mean = tl.sum(dxhat, axis=1) / n_cols * rstd
         if RELOAD:
-            # ".ca" (the default caching, spelled out): an identical load would be merged with the first one,
-            # which keeps the tile live across the reductions again
-            dy_again = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask,
-                               other=0.0, cache_modifier=".ca").to(tl.float32)
-            x_again = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask,
-                              other=0.0, cache_modifier=".ca").to(tl.float32)
-            xhat = (x_again - mean[:, None]) * rstd[:, None]
+            dy_again, x_again = reload_backward_tile(DY, dy_row_stride, dy_col_stride, X, x_row_stride,
+                                                     x_col_stride, rows, cols, mask)
+            xhat = (x_again.to(tl.float32) - mean[:, None]) * rstd[:, None]
             if HAS_WEIGHT:
                 w_again = tl.load(W + cols * w_stride, mask=col_mask, other=0.0,
                                   cache_modifier=".ca").to(tl.float32)

@@ -109,6 +109,18 @@ def load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_
 
 
 @triton.jit
+def reload_backward_tile(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, rows, cols, mask):
+    """A tile's dy (in fp32) and x loaded again after the row's reduction (RELOAD). ".ca" is the default caching
+    spelled out: a load identical to the first would be merged with it, keeping the tile live across the
+    reduction again."""
+    dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0,
+                 cache_modifier=".ca")
+    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0,
+                cache_modifier=".ca")
+    return dy.to(tl.float32), x
+
+
+@triton.jit
 def weight_gradient_term(dy, normed, x_dtype: tl.constexpr, CASTING: tl.constexpr):
     """One tile's dy * d(y)/d(w): llama multiplies w by the normalised x already rounded to x's dtype."""
     if CASTING == 0:
@@ -187,12 +199,8 @@ def rms_norm_backward_kernel(
             dnormed = dy
         mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
         if RELOAD:
-            # ".ca" (the default caching, spelled out): a load identical to the first would be merged with it,
-            # which would keep the tile live across the reduction again
-            dy_again = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask,
-                               other=0.0, cache_modifier=".ca").to(tl.float32)
-            x_again = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask,
-                              other=0.0, cache_modifier=".ca")
+            dy_again, x_again = reload_backward_tile(DY, dy_row_stride, dy_col_stride, X, x_row_stride,
+                                                     x_col_stride, rows, cols, mask)
             normed = x_again.to(tl.float32) * rstd[:, None]
             if HAS_WEIGHT:
                 w_again = tl.load(W + cols * w_stride, mask=col_mask, other=0.0,
