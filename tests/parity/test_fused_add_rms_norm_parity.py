@@ -12,7 +12,7 @@ import liger_torch
 from helpers import assert_parity, as_numpy, to_torch
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200), (3, 9000)])  # 9000: a wide row (reloaded tile)
 @pytest.mark.parametrize("mode,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)])
 @pytest.mark.parametrize("dtypes", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")])
 def test_fused_add_rms_norm_parity(shape, mode, offset, dtypes, device, seed):

@@ -11,7 +11,7 @@ import liger_torch
 from helpers import assert_parity, as_numpy, to_torch
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200), (3, 9000)])  # 9000: a wide row (reloaded tile)
 @pytest.mark.parametrize("params", ["scale_bias", "scale", "none"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_layer_norm_parity(shape, params, dtype, device, seed):
