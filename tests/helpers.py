@@ -18,11 +18,13 @@ def tolerance(dtype):
     return TOLERANCES[dtype]
 
 
-def assert_close(actual, expected, dtype, name="", scale=1.0):
+def assert_close(actual, expected, dtype, name="", scale=1.0, magnitude=None):
     """Elementwise |actual - expected| <= scale * (atol + rtol * |expected|), NaN never passes.
 
     ``scale`` widens the bound for quantities that are sums over many rows (weight gradients), where the
-    rounding of each term adds up; it is stated at each use."""
+    rounding of each term adds up; it is stated at each use. ``magnitude`` replaces |expected| as the size the
+    relative part scales with, for results summed from terms rounded to the dtype one by one (where cancelling
+    terms leave a small result with their larger rounding error)."""
     actual = torch.as_tensor(np.asarray(actual, dtype=np.float64)) if not isinstance(actual, torch.Tensor) else actual
     expected = torch.as_tensor(np.asarray(expected, dtype=np.float64)) if not isinstance(expected, torch.Tensor) else expected
     actual = actual.detach().to("cpu", torch.float64)
@@ -30,7 +32,10 @@ def assert_close(actual, expected, dtype, name="", scale=1.0):
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert not torch.isnan(actual).any(), f"{name}: NaN in the result (unwritten or poisoned element?)"
     atol, rtol = tolerance(dtype)
-    bound = scale * (atol + rtol * expected.abs())
+    if magnitude is not None and not isinstance(magnitude, torch.Tensor):
+        magnitude = torch.as_tensor(np.asarray(magnitude, dtype=np.float64))
+    size = expected.abs() if magnitude is None else magnitude.detach().to("cpu", torch.float64)
+    bound = scale * (atol + rtol * size)
     err = (actual - expected).abs()
     worst = (err - bound).argmax()
     assert (err <= bound).all(), (

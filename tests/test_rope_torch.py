@@ -26,11 +26,13 @@ def gather(table, position_ids, batch):
     return table.expand(batch, -1, -1)[torch.arange(batch)[:, None], pos]
 
 
-def reference(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, interleaved=False):
-    """HF's apply_rotary_pos_emb (or the interleaved GPT-J formula) on float64 copies of the inputs."""
-    q, k = q.double(), k.double()
-    c = gather(cos.double(), position_ids, q.shape[0])
-    s = gather(sin.double(), position_ids, q.shape[0])
+def reference(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, interleaved=False, in_float64=True):
+    """HF's apply_rotary_pos_emb (or the interleaved GPT-J formula) on float64 copies of the inputs, or
+    (``in_float64=False``) on the inputs themselves: HF's eager rounding, which the kernel reproduces bitwise."""
+    if in_float64:
+        q, k, cos, sin = q.double(), k.double(), cos.double(), sin.double()
+    c = gather(cos, position_ids, q.shape[0])
+    s = gather(sin, position_ids, q.shape[0])
     if not interleaved:
         return modeling.apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim=unsqueeze_dim)
     c, s = c.unsqueeze(unsqueeze_dim), s.unsqueeze(unsqueeze_dim)
@@ -54,15 +56,38 @@ def run(fn, q, k, gq, gk, *args, **kwargs):
     return qo, ko, q.grad, k.grad
 
 
+RESULT_NAMES = ("q_embed", "k_embed", "dq", "dk")
+
+
+def term_sizes(q, k, cos, sin, gq, gk, **kwargs):
+    """|cos term| + |sin term| of each result of ``run(reference, ...)``, in float64. HF rounds each product to
+    the dtype before it adds the two, so a result's rounding error scales with its terms, which may cancel to a
+    far smaller sum (arbitrary tables, or a rotation's two halves)."""
+    parts = [run(reference, q, k, gq.double(), gk.double(), c, s, **kwargs)
+             for c, s in ((cos, torch.zeros_like(sin)), (torch.zeros_like(cos), sin))]
+    return [a.detach().abs() + b.detach().abs() for a, b in zip(*parts)]
+
+
+def check_against_references(ours, q, k, cos, sin, gq, gk, dtype, **kwargs):
+    """``ours`` (the results of ``run(liger_torch.rope, ...)``) against HF's formula in float64, bounded by the
+    size of the terms, and, for half-precision results, bit for bit against HF's formula run in the inputs'
+    dtypes (fp32 results may differ in the last bit: the GPU contracts a product and the sum into one FMA)."""
+    want = run(reference, q, k, gq.double(), gk.double(), cos, sin, **kwargs)
+    sizes = term_sizes(q, k, cos, sin, gq, gk, **kwargs)
+    hf = run(reference, q, k, gq.clone(), gk.clone(), cos, sin, in_float64=False, **kwargs)
+    for got, ref, size, eager, name in zip(ours, want, sizes, hf, RESULT_NAMES):
+        assert_close(got, ref, dtype, name, magnitude=size)
+        if got.dtype != torch.float32:
+            assert got.dtype == eager.dtype and torch.equal(got, eager), f"{name}: not bitwise HF's eager result"
+
+
 def check(q, k, cos, sin, dtype, gen, **kwargs):
     out_shape_q, out_shape_k = q.shape, k.shape
     gq = torch.randn(out_shape_q, generator=gen).to(q.device, torch.promote_types(q.dtype, cos.dtype))
     gk = torch.randn(out_shape_k, generator=gen).to(q.device, torch.promote_types(k.dtype, cos.dtype))
     ours = run(liger_torch.rope, q, k, gq.clone(), gk.clone(), cos, sin, **kwargs)
-    want = run(reference, q, k, gq.double(), gk.double(), cos, sin, **kwargs)
     assert ours[0].dtype == torch.promote_types(q.dtype, cos.dtype) and ours[2].dtype == q.dtype
-    for got, ref, name in zip(ours, want, ("q_embed", "k_embed", "dq", "dk")):
-        assert_close(got, ref, dtype, name)
+    check_against_references(ours, q, k, cos, sin, gq, gk, dtype, **kwargs)
 
 
 # (B, T, D) with (H_q, H_kv): 1 token, 7 tokens, head_dim 64 / 128 / 96 (not a power of 2), GQA ratios 1, 4, 8;

@@ -26,7 +26,7 @@ from test_kl_div_jax import reference as kl_reference
 from test_properties_more import FEW
 from test_properties_torch import HIDDEN, SEEDS, ce_options
 from test_rope_jax import reference as rope_reference
-from test_rope_jax import tables as rope_tables
+from test_rope_jax import tables as rope_tables, term_sizes as rope_term_sizes
 
 JDTYPES = st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16])
 JLEAD = st.sampled_from([(1,), (2,), (5,), (9,), (2, 3), (1, 1)])
@@ -103,10 +103,10 @@ def test_jax_rope(case, dtype, seed):
 
     assert qo.dtype == ko.dtype == out_dtype and qo.shape == q.shape and ko.shape == k.shape
     assert dq.dtype == dk.dtype == dtype
-    assert_close(f32(qo), np.asarray(qo_ref), out_dtype, "q_embed")
-    assert_close(f32(ko), np.asarray(ko_ref), out_dtype, "k_embed")
-    assert_close(f32(dq), np.asarray(dq_ref), dtype, "dq")
-    assert_close(f32(dk), np.asarray(dk_ref), dtype, "dk")
+    sizes = rope_term_sizes(q, k, cos, sin, (gq, gk), **kw)
+    for got, ref, size, rdtype, name in zip((qo, ko, dq, dk), (qo_ref, ko_ref, dq_ref, dk_ref), sizes,
+                                            (out_dtype, out_dtype, dtype, dtype), ("q_embed", "k_embed", "dq", "dk")):
+        assert_close(f32(got), np.asarray(ref), rdtype, name, magnitude=size)
 
 
 # ----------------------------------------------------------------------------------------------------- kl_div

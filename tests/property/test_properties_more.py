@@ -28,7 +28,7 @@ from test_fused_linear_cross_entropy_torch import reference as flce_reference
 from test_jsd_torch import reference as jsd_reference
 from test_layer_norm_jax import reference as jln_reference
 from test_rms_norm_jax import reference as jrms_reference
-from test_rope_torch import hf_tables, reference as rope_reference
+from test_rope_torch import check_against_references as check_rope, hf_tables, run as rope_run
 from test_swiglu_jax import ACTS as JACTS, LINEAR_ACTS as JLINEAR_ACTS
 from test_swiglu_jax import check_gated_linear as check_jax_gated_linear
 
@@ -140,17 +140,9 @@ def test_rope(case, dtype, seed):
     gk = torch.randn(k.shape, generator=gen).to(DEVICE, dtype)
     kw = dict(position_ids=position_ids, unsqueeze_dim=ud, interleaved=case["interleaved"])
 
-    ql, kl = leaf(q), leaf(k)
-    qo, ko = liger_torch.rope(ql, kl, cos, sin, **kw)
-    dq, dk = torch.autograd.grad((qo, ko), (ql, kl), (gq.clone(), gk.clone()))
-    qr, kr = ref_leaf(q), ref_leaf(k)
-    qo_ref, ko_ref = rope_reference(qr, kr, cos, sin, **kw)
-    dq_ref, dk_ref = torch.autograd.grad((qo_ref, ko_ref), (qr, kr), (gq.double(), gk.double()))
-
-    assert qo.dtype == ko.dtype == dtype and dq.dtype == dk.dtype == dtype
-    for got, ref, name in ((qo, qo_ref, "q_embed"), (ko, ko_ref, "k_embed"), (dq, dq_ref, "dq"),
-                           (dk, dk_ref, "dk")):
-        assert_close(got, ref, dtype, name)
+    ours = rope_run(liger_torch.rope, q, k, gq.clone(), gk.clone(), cos, sin, **kw)
+    assert all(t.dtype == dtype for t in ours)
+    check_rope(ours, q, k, cos, sin, gq, gk, dtype, **kw)
 
 
 # ----------------------------------------------------------------------------------------------------- kl_div
