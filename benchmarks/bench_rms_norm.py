@@ -6,9 +6,11 @@ from __future__ import annotations
 from .harness import (Case, device, eager_or_compiled, jax_key, jax_pass_runner, row_cases, sweep,
                       torch_pass_runner, unique_shapes)
 
-# tokens at a Llama-3-8B hidden size, then hidden sizes at 16k tokens
+# tokens at a Llama-3-8B hidden size, then hidden sizes at 16k tokens, and wider ones (up to the target's 64k
+# columns) at 4k
 SHAPES = unique_shapes(sweep({"hidden": 4096}, "tokens", [2048, 4096, 8192, 16384, 32768, 65536]),
-                       sweep({"tokens": 16384}, "hidden", [1024, 2048, 4096, 8192, 16384]))
+                       sweep({"tokens": 16384}, "hidden", [1024, 2048, 4096, 8192, 16384]),
+                       sweep({"tokens": 4096}, "hidden", [32768, 65536]))  # rows swept in chunks
 QUICK = sweep({"hidden": 4096}, "tokens", [4096, 16384, 65536])
 SMOKE = sweep({"hidden": 64}, "tokens", [8, 16])
 EPS = 1e-6

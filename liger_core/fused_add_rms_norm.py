@@ -3,6 +3,7 @@
 h has the promotion of x's and residual's dtypes (the sum is rounded to it once, as a half-precision add
 would be); y follows :mod:`liger_core.rms_norm` with h in the role of x (same casting modes, same offset,
 same output dtype). Forward saves rstd (fp32, one per row); the backward reads only h, never x or residual.
+Rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in column chunks, twice: h and its squares, then y from h.
 
 Backward, one pass per row block: dh_total = d rms_norm / dh + dh_in (dh_in: the incoming gradient of the
 returned h), and dx = dresidual = dh_total (rounded to x's and residual's dtypes); dw from per-program fp32
@@ -22,10 +23,10 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, _check_inputs, backward_variant, load_scale, normalize_and_scale, output_dtype,
+    CASTING_MODES, _check_inputs, backward_variant, chunk_columns, load_scale, normalize_and_scale, output_dtype,
     rms_norm_backward_kernel,
 )
-from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
+from .rowwise import forward_chunk, gradient_output, persistent_grid, row_view, rows_in_group, tile
 from .tl_math import aligned, cast, round_to
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
@@ -70,6 +71,46 @@ def _fused_add_rms_norm_forward_kernel(
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
 
 
+@triton.jit
+def _fused_add_rms_norm_chunked_forward_kernel(
+    X, x_row_stride, x_col_stride,
+    R, r_row_stride, r_col_stride,
+    W, w_stride,
+    n_cols, eps, offset,
+    Y, H, RSTD,
+    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
+    over CHUNK-column chunks writes h and sums its squares, a second reads h back (from L2) and writes y."""
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    r_row_stride = aligned(r_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    h_rows = H + rows[:, None] * n_cols
+    h_dtype = H.dtype.element_ty
+    n_chunks = tl.cdiv(n_cols, CHUNK)
+    squares = tl.zeros((1, CHUNK), dtype=tl.float32)
+    for i in range(n_chunks):
+        cols = chunk_columns(i, n_chunks, CHUNK, False)
+        mask = (cols < n_cols)[None, :]
+        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+        r = tl.load(R + rows[:, None] * r_row_stride + cols[None, :] * r_col_stride, mask=mask, other=0.0)
+        hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)
+        tl.store(h_rows + cols[None, :], cast(hf, h_dtype), mask=mask)
+        squares += hf * hf
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd)
+    tl.debug_barrier()  # the second sweep reads h back: the program's own stores, possibly by other threads
+    y_dtype = Y.dtype.element_ty
+    for i in range(n_chunks):
+        cols = chunk_columns(i, n_chunks, CHUNK, True)
+        col_mask = cols < n_cols
+        hf = tl.load(h_rows + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+        scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT)
+        y = normalize_and_scale(hf, rstd, scale, h_dtype, y_dtype, CASTING, HAS_WEIGHT)
+        tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=col_mask[None, :])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launch logic
 
@@ -84,34 +125,45 @@ def _check_pair(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, cas
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *, eps: float,
                  offset: float = 0.0, casting_mode: str = "llama", weight_name: str = "weight",
-                 block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps") -> Plan:
+                 block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps",
+                 chunk: int | None = None) -> Plan:
     """Plan for ``y, h, rstd = fused_add_rms_norm(x, residual, weight)``.
 
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
-    messages."""
+    messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``block_m`` and
+    ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`)."""
     _check_pair(x, residual, weight, casting_mode, weight_name)
     check_eps(eps, eps_name)
     check_finite(offset, "offset")
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
     _, _, r_row_stride, r_col_stride = row_view(residual, "residual")
-    block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
-    block_m = block_m or block_m_default
     has_weight = weight is not None
     h_dtype = promote(x.dtype, residual.dtype)
     y_dtype = output_dtype(h_dtype, weight.dtype if has_weight else None, casting_mode)
-    launch = Launch(
-        kernel=_fused_add_rms_norm_forward_kernel,
-        grid=(cdiv(n_rows, block_m),),
-        args=(Buf("x"), x_row_stride, x_col_stride, Buf("residual"), r_row_stride, r_col_stride,
-              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
-              n_rows, n_cols, float(eps), float(offset)),
-        outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("h", x.shape, h_dtype),
-                 NewBuffer("rstd", x.shape[:-1], "float32")),
-        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
-                    "HAS_WEIGHT": has_weight},
-        num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
-    )
+    row_args = (Buf("x"), x_row_stride, x_col_stride, Buf("residual"), r_row_stride, r_col_stride,
+                Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0)
+    outputs = (NewBuffer("y", x.shape, y_dtype), NewBuffer("h", x.shape, h_dtype),
+               NewBuffer("rstd", x.shape[:-1], "float32"))
+    casting = CASTING_MODES[casting_mode]
+    chunk = forward_chunk(n_cols, chunk)
+    if chunk:
+        launch = Launch(
+            kernel=_fused_add_rms_norm_chunked_forward_kernel, grid=(n_rows,),
+            args=(*row_args, n_cols, float(eps), float(offset)), outputs=outputs,
+            constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight},
+            num_warps=num_warps or warps_for(chunk))
+    else:
+        block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
+        block_m = block_m or block_m_default
+        launch = Launch(
+            kernel=_fused_add_rms_norm_forward_kernel,
+            grid=(cdiv(n_rows, block_m),),
+            args=(*row_args, n_rows, n_cols, float(eps), float(offset)),
+            outputs=outputs,
+            constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": casting, "HAS_WEIGHT": has_weight},
+            num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
+        )
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
 

@@ -3,7 +3,8 @@
 Numerics (those of ``torch.nn.LayerNorm`` and ``flax.nnx.LayerNorm``): the statistics and the affine map are
 computed in fp32 and the output is rounded once, to the output dtype. The variance is the two-pass
 ``mean((x - mean)^2)`` of the row held in registers (never negative, no cancellation), with the mean refined
-once by the mean of the centered row.
+once by the mean of the centered row. Rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in column chunks
+instead, twice: Welford's running moments of x less its first value, then y.
 
 Forward saves mean and rstd (fp32, one per row). Backward: one pass per row block gives dx (optionally written
 over dy) and per-program fp32 partial sums of dw and db, each reduced in a fixed order by
@@ -23,8 +24,8 @@ from .launch import (
     next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
-from .rms_norm import backward_variant, load_backward_rows, reload_backward_tile
-from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
+from .rms_norm import backward_variant, chunk_columns, load_backward_rows, reload_backward_tile
+from .rowwise import forward_chunk, gradient_output, persistent_grid, row_view, rows_in_group, tile
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
 # tuned backward: one persistent program per SM (16 warps x 117 registers fill an SM's register file: a second
@@ -80,6 +81,63 @@ def _layer_norm_forward_kernel(
     if HAS_BIAS:
         y = y + b[None, :]
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_moments(mean_a, m2_a, count_a, mean_b, m2_b, count_b):
+    """Two (mean, sum of squared deviations, count) summaries as one (Chan, Golub and LeVeque's update)."""
+    count = count_a + count_b
+    share_b = tl.where(count > 0, count_b / tl.maximum(count, 1.0), 0.0)
+    delta = mean_b - mean_a
+    return mean_a + delta * share_b, m2_a + m2_b + delta * delta * count_a * share_b, count
+
+
+@triton.jit
+def _layer_norm_chunked_forward_kernel(
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    B, b_stride,
+    n_cols, eps,
+    Y, MEAN, RSTD,
+    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS). The first sweep
+    keeps Welford's running mean and squared deviations per lane (no cancellation, and no reduction until the
+    row's end), merged across lanes once; the second reads x again (from L2) and writes y. Both work on x less
+    the row's first value: a row far from zero would otherwise leave the running means the rounding error of
+    their own size (~1e-4 of the spread for a mean 2000 times it), which the held-row kernel's refinement
+    step removes."""
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    x_rows = X + rows[:, None] * x_row_stride
+    shift = tl.load(X + rows * x_row_stride).to(tl.float32)
+    n_chunks = tl.cdiv(n_cols, CHUNK)
+    lane_mean = tl.zeros((1, CHUNK), dtype=tl.float32)
+    lane_m2 = tl.zeros((1, CHUNK), dtype=tl.float32)
+    for i in range(n_chunks):
+        cols = chunk_columns(i, n_chunks, CHUNK, False)
+        mask = (cols < n_cols)[None, :]
+        xf = tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32) - shift[:, None]
+        delta = xf - lane_mean
+        lane_mean += tl.where(mask, delta * (1.0 / (i + 1)), 0.0)  # a lane's (i + 1)-th value
+        lane_m2 += tl.where(mask, delta * (xf - lane_mean), 0.0)
+    last = n_cols - (n_chunks - 1) * CHUNK  # columns in the last chunk: its lanes past them saw one value less
+    lane_count = (n_chunks - 1 + (tl.arange(0, CHUNK) < last).to(tl.int32)).to(tl.float32)[None, :]
+    mean, m2, _ = tl.reduce((lane_mean, lane_m2, lane_count), 1, _merge_moments)
+    rstd = tl.rsqrt(m2 / n_cols + eps)
+    tl.store(MEAN + rows, shift + mean)
+    tl.store(RSTD + rows, rstd)
+    for i in range(n_chunks):
+        cols = chunk_columns(i, n_chunks, CHUNK, True)
+        col_mask = cols < n_cols
+        xf = tl.load(x_rows + cols[None, :] * x_col_stride, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        y = ((xf - shift[:, None]) - mean[:, None]) * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, Y.dtype.element_ty), mask=col_mask[None, :])
 
 
 @triton.jit
@@ -213,33 +271,44 @@ def promoted_dtype(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | Non
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *, eps: float,
                  out_dtype: str | None = None, weight_name: str = "weight", bias_name: str = "bias",
-                 block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps") -> Plan:
+                 block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps",
+                 chunk: int | None = None) -> Plan:
     """Plan for ``y, mean, rstd = layer_norm(x, weight, bias)``; inputs ``x`` (``weight``, ``bias`` when given).
 
     ``out_dtype`` is y's dtype (default: x's, as in torch). ``weight_name`` / ``bias_name`` name the parameters
-    as the caller's API does, for error messages (``eps_name`` the epsilon)."""
+    as the caller's API does, for error messages (``eps_name`` the epsilon). Rows wider than
+    ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``block_m`` and ``num_warps`` override the
+    launch: :func:`liger_core.rowwise.forward_chunk`)."""
     _check_inputs(x, weight, bias, weight_name, bias_name)
     check_eps(eps, eps_name)
     y_dtype = x.dtype if out_dtype is None else out_dtype
     if y_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {y_dtype}")
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
-    block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
-    block_m = block_m or block_m_default
     has_weight, has_bias = weight is not None, bias is not None
-    launch = Launch(
-        kernel=_layer_norm_forward_kernel,
-        grid=(cdiv(n_rows, block_m),),
-        args=(Buf("x"), x_row_stride, x_col_stride,
-              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
-              Buf("bias" if has_bias else "x"), bias.strides[0] if has_bias else 0,
-              n_rows, n_cols, float(eps)),
-        outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
-                 NewBuffer("rstd", x.shape[:-1], "float32")),
-        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
-                    "FULL_ROW": n_cols == block_n},
-        num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
-    )
+    param_args = (Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
+                  Buf("bias" if has_bias else "x"), bias.strides[0] if has_bias else 0)
+    outputs = (NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
+               NewBuffer("rstd", x.shape[:-1], "float32"))
+    chunk = forward_chunk(n_cols, chunk)
+    if chunk:
+        launch = Launch(
+            kernel=_layer_norm_chunked_forward_kernel, grid=(n_rows,),
+            args=(Buf("x"), x_row_stride, x_col_stride, *param_args, n_cols, float(eps)), outputs=outputs,
+            constexprs={"CHUNK": chunk, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},
+            num_warps=num_warps or warps_for(chunk))
+    else:
+        block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
+        block_m = block_m or block_m_default
+        launch = Launch(
+            kernel=_layer_norm_forward_kernel,
+            grid=(cdiv(n_rows, block_m),),
+            args=(Buf("x"), x_row_stride, x_col_stride, *param_args, n_rows, n_cols, float(eps)),
+            outputs=outputs,
+            constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
+                        "FULL_ROW": n_cols == block_n},
+            num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
+        )
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
 

@@ -7,8 +7,10 @@ Casting modes (what is computed in which precision):
   x's dtype.
 - ``none``: mean of squares in fp32, the rest in x's dtype.
 
-Forward saves rstd (fp32, one per row). Backward: one pass per row block gives dx (optionally written over dy)
-and per-program fp32 partial sums of dw, reduced in a fixed order by :mod:`liger_core.reduce`.
+Forward saves rstd (fp32, one per row); rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in two passes of
+column chunks instead of held in registers (one row a program). Backward: one pass per row block gives dx
+(optionally written over dy) and per-program fp32 partial sums of dw, reduced in a fixed order by
+:mod:`liger_core.reduce`.
 Without a weight, y = x * rstd and ``offset`` is unused.
 """
 
@@ -25,7 +27,7 @@ from .launch import (
     warps_for,
 )
 from .reduce import sum_partials_launch
-from .rowwise import gradient_output, persistent_grid, row_view, rows_in_group, tile
+from .rowwise import forward_chunk, gradient_output, persistent_grid, row_view, rows_in_group, tile
 from .tl_math import aligned, cast, round_to
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
@@ -94,6 +96,47 @@ def _rms_norm_forward_kernel(
     y_dtype = Y.dtype.element_ty
     y = normalize_and_scale(xf, rstd, scale, x.dtype, y_dtype, CASTING, HAS_WEIGHT)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
+
+
+@triton.jit
+def chunk_columns(i, n_chunks, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr):
+    """Columns of step ``i`` of a chunked row sweep. The second sweep goes last chunk first: the chunks the
+    first sweep read last are the likeliest to be still in L2."""
+    index = n_chunks - 1 - i if SECOND_SWEEP else i
+    return index * CHUNK + tl.arange(0, CHUNK)
+
+
+@triton.jit
+def _rms_norm_chunked_forward_kernel(
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    n_cols, eps, offset,
+    Y, RSTD,
+    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
+    over CHUNK-column chunks sums the squares (per lane, one reduction at the end), a second reads x again
+    (from L2) and writes y, rounded as the held-row kernel rounds."""
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    x_rows = X + rows[:, None] * x_row_stride
+    n_chunks = tl.cdiv(n_cols, CHUNK)
+    squares = tl.zeros((1, CHUNK), dtype=tl.float32)
+    for i in range(n_chunks):
+        cols = chunk_columns(i, n_chunks, CHUNK, False)
+        xf = tl.load(x_rows + cols[None, :] * x_col_stride, mask=(cols < n_cols)[None, :], other=0.0).to(tl.float32)
+        squares += xf * xf
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd)
+    y_dtype = Y.dtype.element_ty
+    for i in range(n_chunks):
+        cols = chunk_columns(i, n_chunks, CHUNK, True)
+        col_mask = cols < n_cols
+        x = tl.load(x_rows + cols[None, :] * x_col_stride, mask=col_mask[None, :], other=0.0)
+        scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT)
+        y = normalize_and_scale(x.to(tl.float32), rstd, scale, x.dtype, y_dtype, CASTING, HAS_WEIGHT)
+        tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=col_mask[None, :])
 
 
 @triton.jit
@@ -249,30 +292,39 @@ def output_dtype(x_dtype: str, weight_dtype: str | None, casting_mode: str) -> s
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: float = 0.0,
                  casting_mode: str = "llama", weight_name: str = "weight", block_m: int | None = None,
-                 num_warps: int | None = None, eps_name: str = "eps") -> Plan:
+                 num_warps: int | None = None, eps_name: str = "eps", chunk: int | None = None) -> Plan:
     """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
 
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
-    messages."""
+    messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk`` overrides:
+    :func:`liger_core.rowwise.forward_chunk`); ``block_m`` and ``num_warps`` override the launch too."""
     _check_inputs(x, weight, casting_mode, weight_name)
     check_eps(eps, eps_name)
     check_finite(offset, "offset")
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
-    block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
-    block_m = block_m or block_m_default
     has_weight = weight is not None
     y_dtype = output_dtype(x.dtype, weight.dtype if has_weight else None, casting_mode)
-    launch = Launch(
-        kernel=_rms_norm_forward_kernel,
-        grid=(cdiv(n_rows, block_m),),
-        args=(Buf("x"), x_row_stride, x_col_stride,
-              Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
-              n_rows, n_cols, float(eps), float(offset)),
-        outputs=(NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32")),
-        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
-                    "HAS_WEIGHT": has_weight},
-        num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
-    )
+    weight_args = (Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0)
+    outputs = (NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32"))
+    casting = CASTING_MODES[casting_mode]
+    chunk = forward_chunk(n_cols, chunk)
+    if chunk:
+        launch = Launch(
+            kernel=_rms_norm_chunked_forward_kernel, grid=(n_rows,),
+            args=(Buf("x"), x_row_stride, x_col_stride, *weight_args, n_cols, float(eps), float(offset)),
+            outputs=outputs, constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight},
+            num_warps=num_warps or warps_for(chunk))
+    else:
+        block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
+        block_m = block_m or block_m_default
+        launch = Launch(
+            kernel=_rms_norm_forward_kernel,
+            grid=(cdiv(n_rows, block_m),),
+            args=(Buf("x"), x_row_stride, x_col_stride, *weight_args, n_rows, n_cols, float(eps), float(offset)),
+            outputs=outputs,
+            constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": casting, "HAS_WEIGHT": has_weight},
+            num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
+        )
     inputs = ("x", "weight") if has_weight else ("x",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 

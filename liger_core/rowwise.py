@@ -27,6 +27,24 @@ def tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
     return max(1, min(16, elements // block_n, next_power_of_2(n_rows))), block_n
 
 
+# Rows wider than MAX_HELD_COLUMNS are swept by the forwards in WIDE_CHUNK-column chunks instead of held in
+# registers: a held row spilled from 32768 columns (LayerNorm's forward at 8 warps, 148 bytes a thread) and by
+# kilobytes at 65536 in all three (a 65536-column fp32 row is a whole SM's register file; sm_90 ptxas). No LLM is
+# wider than 16384 (Llama-3-405B), so the held-row kernels serve every model's hidden size.
+MAX_HELD_COLUMNS = 16384
+WIDE_CHUNK = 8192
+
+
+def forward_chunk(n_cols: int, chunk: int | None) -> int:
+    """Columns a norm forward sweeps at a time: 0 to hold whole rows (the default up to MAX_HELD_COLUMNS),
+    else a power of two. ``chunk`` overrides (0 forces held rows; for tuning and tests)."""
+    if chunk is None:
+        return WIDE_CHUNK if n_cols > MAX_HELD_COLUMNS else 0
+    if chunk != 0 and (chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be 0 (whole rows) or a power of two of at least 16, got {chunk}")
+    return chunk
+
+
 def rows_in_group(n_rows: int, groups: int) -> int:
     """Rows in each of ``groups`` equal blocks (a vmapped batch folded into rows)."""
     if groups < 1 or n_rows % groups:

@@ -7,6 +7,9 @@ the sweep says whether small inputs want another configuration.
     python3 scripts/tune_norm_forward.py [--shapes 4096x4096 16384x4096 65536x4096] [--timer graph|bench]
         [--out FILE]
 
+Past 16384 columns the forwards sweep each row in chunks (``liger_core.rowwise.forward_chunk``): the sweep then
+tries chunk widths x warps, and the held row at 16 and 32 warps (e.g. ``--shapes 4096x32768 4096x65536``).
+
 ``--timer bench`` times each configuration as the benchmark suite does (CUDA events, L2 flushed before each
 repetition, the host kept ahead) instead of CUDA-graph replays, and adds Liger-Kernel's forward (when installed)
 as a reference row: at 4096 x 4096 the two timers disagree (a graph replay finds the 32 MB input in L2).
@@ -27,6 +30,7 @@ import torch
 import triton.testing
 
 from liger_core import fused_add_rms_norm, layer_norm, rms_norm
+from liger_core.rowwise import MAX_HELD_COLUMNS
 from liger_torch._launch import info, run_plan
 
 import _gpu_tables as gpu_tables  # scripts/, the directory Python puts first on the path
@@ -36,6 +40,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 COPY_BYTES_PER_S = 4.25e12  # the H200's measured copy bandwidth (benchmarks/results, ceilings)
 ROWS_PER_PROGRAM = (1, 2, 4)
 WARPS = (4, 8, 16)
+CHUNKS = (4096, 8192, 16384)  # columns a step of the chunked sweep (rows over MAX_HELD_COLUMNS)
 
 
 def _cases(n, h):
@@ -52,6 +57,17 @@ def _cases(n, h):
     yield ("fused_add_rms_norm", lambda **o: fused_add_rms_norm.forward_plan(info(x), info(r), info(w), eps=1e-6,
                                                                              **o),
            dict(x=x, residual=r, weight=w), 4 * tensor, None)  # reads x and residual, writes y and h
+
+
+def _configs(h):
+    """Launch overrides to try at hidden size ``h``: rows a program x warps for held rows; past 16384 columns
+    (rows swept in chunks) also chunk widths x warps, and held rows at 32 warps (the old default spilled)."""
+    warps = WARPS + ((32,) if h >= 16384 else ())  # wide rows: 32 warps keep LayerNorm at ~51 registers
+    held = [dict(block_m=bm, num_warps=w) for bm, w in itertools.product(ROWS_PER_PROGRAM, warps)]
+    if h <= MAX_HELD_COLUMNS:
+        return held
+    return ([dict(chunk=c, num_warps=w) for c, w in itertools.product(CHUNKS, (8, 16, 32))]
+            + [dict(chunk=0, block_m=1, num_warps=w) for w in (16, 32)])
 
 
 def _liger_kernel(name, x, w, b):
@@ -79,10 +95,10 @@ def _timer(kind):
 def sweep(n, h, out, timer):
     for name, plan, inputs, nbytes, reference in _cases(n, h):
         floor = nbytes / COPY_BYTES_PER_S * 1e3
-        warps = WARPS + ((32,) if h >= 16384 else ())  # wide rows: 32 warps keep LayerNorm at ~51 registers
-        configs = [{}] + [dict(block_m=bm, num_warps=w) for bm, w in itertools.product(ROWS_PER_PROGRAM, warps)]
+        configs = [{}] + _configs(h)
         for overrides in configs:
-            label = "*default" if not overrides else f"rows={overrides['block_m']} warps={overrides['num_warps']}"
+            label = "*default" if not overrides else " ".join(f"{k.replace('block_m', 'rows').replace('num_', '')}="
+                                                              f"{v}" for k, v in overrides.items())
             try:
                 p = plan(**overrides)
                 ms = timer(lambda: run_plan(p, **inputs))

@@ -311,3 +311,52 @@ def test_backward_launch_variants_agree(prefetch, block_m, reload, with_dh, devi
     assert_close(dx, want[2], torch.float32, "dx")
     assert_close(dr, want[3], torch.float32, "dresidual")
     assert_close(dw, want[4], torch.float32, "dw", scale=3.0)
+
+
+# Rows swept in chunks: the forward of rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces it on small rows:
+# several chunks with the last partial, whole chunks only, one column, one chunk wider than the row.
+CHUNKED = [((7, 123), 16), ((3, 64), 16), ((2, 1), 16), ((5, 1000), 256), ((2, 3, 40), 64)]
+
+
+@pytest.mark.parametrize("shape,chunk", CHUNKED)
+@pytest.mark.parametrize("mode,offset", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_forward_against_reference(shape, chunk, mode, offset, dtype, device, seed):
+    """The chunked forward writes h in its first sweep and reads it back in the second: y, h and rstd against
+    the reference, with and without a weight; h bitwise the held-row kernel's (the same rounded sum)."""
+    from liger_core import fused_add_rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, r, w, _, _ = draw(seed, shape, dtype, device=device)
+    slack = SLACK.get(dtype, 1.0)
+    for weight in (w, None):
+        given = {} if weight is None else {"weight": weight}
+
+        def forward(chunk):
+            plan = core.forward_plan(info(x), info(r), None if weight is None else info(weight), eps=1e-6,
+                                     offset=offset, casting_mode=mode, chunk=chunk)
+            return plan.launches[0].kernel, run_plan(plan, x=x, residual=r, **given)
+
+        kernel, (y, h, rstd) = forward(chunk)
+        assert kernel is core._fused_add_rms_norm_chunked_forward_kernel
+        y_ref, h_ref = reference(x, r, weight, 1e-6, offset, mode)
+        assert_close(y, y_ref, dtype, "y", scale=slack)
+        assert_close(h, h_ref, dtype, "h", scale=slack)
+        assert_close(rstd, torch.rsqrt(h_ref.pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
+        assert torch.equal(h, forward(0)[1][1])
+
+
+def test_rows_over_16384_columns_are_chunked(device, seed):
+    """The default: held rows up to 16384 columns, chunks beyond (a held row spilled from 32768 on); the op
+    through autograd at 16400 columns (three 8192-column chunks, the last partial) against the reference."""
+    from liger_core import fused_add_rms_norm as core
+    from liger_core.launch import ArrayInfo
+
+    for n_cols, kernel in ((16384, core._fused_add_rms_norm_forward_kernel),
+                           (16385, core._fused_add_rms_norm_chunked_forward_kernel)):
+        info = ArrayInfo.contiguous((2, n_cols), "bfloat16")
+        assert core.forward_plan(info, info, None, eps=1e-6).launches[0].kernel is kernel
+    x, r, w, gy, gh = draw(seed, (2, 16400), torch.bfloat16, device=device)
+    got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w, gy.double(), gh.double())
+    check(got, want, torch.bfloat16, rows=2)

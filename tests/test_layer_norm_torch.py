@@ -57,10 +57,12 @@ def test_forward_backward(shape, params, dtype, device, seed):
         assert_close(db, db_ref, dtype, "db", scale=max(1.0, rows ** 0.5))
 
 
+@pytest.mark.parametrize("chunk", [0, 256])
 @pytest.mark.parametrize("n_cols", [4096, 1000])
-def test_rows_far_from_zero_keep_fp32_accuracy(n_cols, device, seed):
+def test_rows_far_from_zero_keep_fp32_accuracy(n_cols, chunk, device, seed):
     """fp32 rows whose mean is 2000x their spread: an fp32 sum of the row misses the mean by ~1e-4 of the spread,
-    which the kernel's refinement step (the centred values' own sum) removes. The forward and its statistics
+    which the held-row kernel's refinement step (the centred values' own sum) removes, and the chunked one's
+    Welford sums never incur (``chunk`` 256; 0 holds the row). The forward and its statistics
     against float64; full rows (4096 columns: no masked column) and masked ones. The backward starts from the
     saved fp32 mean, whose own rounding (up to half an ulp of 2000, 6e-5 of the spread) moves every xhat and so
     dx by up to ~1e-5 of dx's scale (torch's LayerNorm saves the same): dx is checked against the float64
@@ -74,7 +76,8 @@ def test_rows_far_from_zero_keep_fp32_accuracy(n_cols, device, seed):
     b = torch.randn(n_cols, generator=gen).to(device)
     g = torch.randn(5, n_cols, generator=gen).to(device)
     eps = 1e-5
-    y, mean, rstd = run_plan(core.forward_plan(info(x), info(w), info(b), eps=eps), x=x, weight=w, bias=b)
+    y, mean, rstd = run_plan(core.forward_plan(info(x), info(w), info(b), eps=eps, chunk=chunk), x=x, weight=w,
+                             bias=b)
     xd = x.double()
     assert_close(y, reference(xd, w.double(), b.double(), eps), torch.float32, "y")
     assert_close(mean, xd.mean(-1), torch.float32, "mean")
@@ -241,3 +244,46 @@ def test_backward_launch_variants_agree(prefetch, block_m, reload, device, seed)
     assert_close(dx, dx_ref, torch.float32, "dx")
     assert_close(dw, dw_ref, torch.float32, "dw", scale=3.0)
     assert_close(db, db_ref, torch.float32, "db", scale=3.0)
+
+
+# Rows swept in chunks: the forward of rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces it on small rows:
+# several chunks with the last partial, whole chunks only, one column, one chunk wider than the row.
+CHUNKED = [((7, 123), 16), ((3, 64), 16), ((2, 1), 16), ((5, 1000), 256), ((2, 3, 40), 64)]
+
+
+@pytest.mark.parametrize("shape,chunk", CHUNKED)
+@pytest.mark.parametrize("params", ["weight_bias", "weight", "bias", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_forward_against_reference(shape, chunk, params, dtype, device, seed):
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, w, b, _ = draw(seed, shape, dtype, device=device)
+    w = w if "weight" in params else None
+    b = b if "bias" in params else None
+    params = {k: v for k, v in (("weight", w), ("bias", b)) if v is not None}
+    plan = core.forward_plan(info(x), *(None if t is None else info(t) for t in (w, b)), eps=1e-5, chunk=chunk)
+    assert plan.launches[0].kernel is core._layer_norm_chunked_forward_kernel
+    y, mean, rstd = run_plan(plan, x=x, **params)
+    xd = x.double()
+    assert y.dtype == dtype
+    assert_close(y, reference(x, w, b, 1e-5), dtype, "y")
+    assert_close(mean, xd.mean(-1), torch.float32, "mean")
+    assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
+
+
+def test_rows_over_16384_columns_are_chunked(device, seed):
+    """The default: held rows up to 16384 columns, chunks beyond (a held row spilled from 32768 on); the op
+    through autograd at 16400 columns (three 8192-column chunks, the last partial) against the reference."""
+    from liger_core import layer_norm as core
+    from liger_core.launch import ArrayInfo
+
+    for n_cols, kernel in ((16384, core._layer_norm_forward_kernel),
+                           (16385, core._layer_norm_chunked_forward_kernel)):
+        info = ArrayInfo.contiguous((2, n_cols), "bfloat16")
+        assert core.forward_plan(info, None, None, eps=1e-5).launches[0].kernel is kernel
+    x, w, b, g = draw(seed, (2, 16400), torch.bfloat16, device=device)
+    y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, w, b)
+    y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)
+    for got, want, name in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dw"), (db, db_ref, "db")):
+        assert_close(got, want, torch.bfloat16, name, scale=2 ** 0.5 if name in ("dw", "db") else 1.0)

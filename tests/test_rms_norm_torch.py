@@ -295,3 +295,57 @@ def test_wide_row_reload_is_bitwise_the_held_tile(casting_mode, device, seed):
                       dy=dy, x=x, weight=w, rstd=rstd) for reload in (False, True)]
     for held, reloaded, name in zip(*grads, ("dx", "dw")):
         assert torch.equal(held, reloaded), name
+
+
+# Rows swept in chunks: the forward of rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces it on small rows:
+# several chunks with the last partial, whole chunks only, one column, one chunk wider than the row.
+CHUNKED = [((7, 123), 16), ((3, 64), 16), ((2, 1), 16), ((5, 1000), 256), ((2, 3, 40), 64)]
+
+
+@pytest.mark.parametrize("shape,chunk", CHUNKED)
+@pytest.mark.parametrize("mode,offset", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_forward_against_reference(shape, chunk, mode, offset, dtype, device, seed):
+    from liger_core import rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 3).to(device, dtype)
+    w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(device, dtype)
+    for weight in (w, None):
+        plan = core.forward_plan(info(x), None if weight is None else info(weight), eps=1e-6, offset=offset,
+                                 casting_mode=mode, chunk=chunk)
+        assert plan.launches[0].kernel is core._rms_norm_chunked_forward_kernel
+        y, rstd = run_plan(plan, x=x, **({} if weight is None else {"weight": weight}))
+        assert_close(y, reference(x, weight, 1e-6, offset, mode), dtype, "y")
+        x64 = x.double()
+        assert_close(rstd, torch.rsqrt(x64.pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
+
+
+def test_rows_over_16384_columns_are_chunked(device, seed):
+    """The default: held rows up to 16384 columns, chunks beyond (a held row spilled from 32768 on); the op
+    through autograd at 16400 columns (three 8192-column chunks, the last partial) against the reference."""
+    from liger_core import rms_norm as core
+    from liger_core.launch import ArrayInfo
+
+    for n_cols, kernel in ((16384, core._rms_norm_forward_kernel), (16385, core._rms_norm_chunked_forward_kernel)):
+        assert core.forward_plan(ArrayInfo.contiguous((2, n_cols), "bfloat16"), None, eps=1e-6).launches[0].kernel \
+            is kernel
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 16400, generator=gen).to(device, torch.bfloat16)
+    w = (torch.rand(16400, generator=gen) + 0.5).to(device, torch.bfloat16)
+    g = torch.randn(2, 16400, generator=gen).to(device, torch.bfloat16)
+    y, dx, dw = grads_of(lambda a, b: liger_torch.rms_norm(a, b), x, w, g.clone())
+    y_ref, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x, w, g.double())
+    assert_close(y, y_ref, torch.bfloat16, "y")
+    assert_close(dx, dx_ref, torch.bfloat16, "dx")
+    assert_close(dw, dw_ref, torch.bfloat16, "dw", scale=2 ** 0.5)
+
+
+def test_chunk_must_be_a_power_of_two():
+    from liger_core import rms_norm as core
+    from liger_core.launch import ArrayInfo
+
+    for chunk in (24, 8, -16):
+        with pytest.raises(ValueError, match="chunk must be 0"):
+            core.forward_plan(ArrayInfo.contiguous((2, 64), "float32"), None, eps=1e-6, chunk=chunk)

@@ -89,7 +89,8 @@ def check(q, k, cos, sin, dtype, rng, position_ids=None, interleaved=False):
         want, (dq_ref, dk_ref) = jax.jit(lambda a, b: (ref(a, b), jax.grad(loss(ref, jnp.float64),
                                                                             argnums=(0, 1))(a, b)))(q, k)
     sizes = term_sizes(q, k, cos, sin, (pq, pk), position_ids, interleaved)
-    for got, ref, size, name in zip((qo, ko, dq, dk), (*want, dq_ref, dk_ref), sizes, ("q_embed", "k_embed", "dq", "dk")):
+    names = ("q_embed", "k_embed", "dq", "dk")
+    for got, ref, size, name in zip((qo, ko, dq, dk), (*want, dq_ref, dk_ref), sizes, names):
         assert_close(np.asarray(got.astype(jnp.float32)), np.asarray(ref), dtype, name, magnitude=size)
 
 

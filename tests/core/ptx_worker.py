@@ -39,6 +39,7 @@ def cases():
     a = bf16(64, 14336)
     rows = ArrayInfo.contiguous((64,), "float32")
     wide, wide_w = bf16(64, 16384), bf16(16384)
+    widest, widest_w = bf16(8, 65536), bf16(65536)
     scalar = ArrayInfo.contiguous((), "float32")
     return {
         "rms_norm forward": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
@@ -85,6 +86,14 @@ def cases():
         "layer_norm backward, 16384 columns": (
             layer_norm.backward_plan(wide, wide, wide_w, wide_w, num_sms=132),
             {"dy": wide, "x": wide, "weight": wide_w, "bias": wide_w, "mean": rows, "rstd": rows}),
+        # rows over 16384 columns: swept in 8192-column chunks, twice (a held 65536-column row spilled kilobytes)
+        "rms_norm forward, 65536 columns": (rms_norm.forward_plan(widest, widest_w, eps=1e-6),
+                                            {"x": widest, "weight": widest_w}),
+        "layer_norm forward, 65536 columns": (layer_norm.forward_plan(widest, widest_w, widest_w, eps=1e-6),
+                                              {"x": widest, "weight": widest_w, "bias": widest_w}),
+        "fused_add_rms_norm forward, 65536 columns": (fused_add_rms_norm.forward_plan(widest, widest, widest_w,
+                                                                                      eps=1e-6),
+                                                      {"x": widest, "residual": widest, "weight": widest_w}),
         "sum_partials, weight gradient": (
             Plan(inputs=("partials",), launches=(sum_partials_launch("partials", "dw", 1, 132, 4096, "bfloat16"),),
                  outputs=("dw",)),

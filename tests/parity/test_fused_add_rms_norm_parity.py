@@ -12,7 +12,8 @@ import liger_torch
 from helpers import assert_parity, as_numpy, to_torch
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200), (3, 9000)])  # 9000: a wide row (reloaded tile)
+# 9000: a wide row (the backward reloads its tile); 16400: over 16384 columns (the forward sweeps it in chunks)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200), (3, 9000), (2, 16400)])
 @pytest.mark.parametrize("mode,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)])
 @pytest.mark.parametrize("dtypes", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")])
 def test_fused_add_rms_norm_parity(shape, mode, offset, dtypes, device, seed):

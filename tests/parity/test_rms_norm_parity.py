@@ -16,7 +16,8 @@ from helpers import assert_parity, to_torch
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200), (3, 9000)])  # 9000: a wide row (reloaded tile)
+# 9000: a wide row (the backward reloads its tile); 16400: over 16384 columns (the forward sweeps it in chunks)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 123), (2, 3, 200), (3, 9000), (2, 16400)])
 @pytest.mark.parametrize("mode,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rms_norm_parity(shape, mode, offset, dtype, device, seed):
