@@ -360,3 +360,19 @@ def test_rows_over_16384_columns_are_chunked(device, seed):
     got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
     want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w, gy.double(), gh.double())
     check(got, want, torch.bfloat16, rows=2)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "strided_columns"])
+def test_chunked_forward_reads_rows_by_strides(layout, device, seed):
+    """x by strides, the residual contiguous (each has its own strides in the kernel)."""
+    from liger_core import fused_add_rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x = non_contiguous(layout, gen, device)
+    r = torch.randn(x.shape, generator=gen).to(device)
+    w = (torch.rand(123, generator=gen) + 0.5).to(device)
+    y, h, _ = run_plan(core.forward_plan(info(x), info(r), info(w), eps=1e-6, chunk=32), x=x, residual=r, weight=w)
+    y_ref, h_ref = reference(x, r, w, 1e-6, 0.0, "llama")
+    assert_close(y, y_ref, torch.float32, "y")
+    assert_close(h, h_ref, torch.float32, "h")

@@ -287,3 +287,16 @@ def test_rows_over_16384_columns_are_chunked(device, seed):
     y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)
     for got, want, name in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dw"), (db, db_ref, "db")):
         assert_close(got, want, torch.bfloat16, name, scale=2 ** 0.5 if name in ("dw", "db") else 1.0)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "strided_columns"])
+def test_chunked_forward_reads_rows_by_strides(layout, device, seed):
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x = non_contiguous(layout, gen, device)
+    w = (torch.rand(123, generator=gen) + 0.5).to(device)
+    b = torch.randn(123, generator=gen).to(device)
+    y, _, _ = run_plan(core.forward_plan(info(x), info(w), info(b), eps=1e-5, chunk=32), x=x, weight=w, bias=b)
+    assert_close(y, reference(x, w, b, 1e-5), torch.float32, "y")

@@ -349,3 +349,15 @@ def test_chunk_must_be_a_power_of_two():
     for chunk in (24, 8, -16):
         with pytest.raises(ValueError, match="chunk must be 0"):
             core.forward_plan(ArrayInfo.contiguous((2, 64), "float32"), None, eps=1e-6, chunk=chunk)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "strided_columns"])
+def test_chunked_forward_reads_rows_by_strides(layout, device, seed):
+    from liger_core import rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x = non_contiguous(layout, gen, device)
+    w = (torch.rand(123, generator=gen) + 0.5).to(device)
+    y, _ = run_plan(core.forward_plan(info(x), info(w), eps=1e-6, chunk=32), x=x, weight=w)
+    assert_close(y, reference(x, w, 1e-6, 0.0, "llama"), torch.float32, "y")
