@@ -21,11 +21,13 @@ import triton.language as tl
 from .tl_math import aligned, cast
 from .launch import (
     FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_float, check_nonempty,
-    next_power_of_2, promote, warps_for,
+    promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import backward_variant, chunk_columns, load_backward_rows, reload_backward_tile
-from .rowwise import forward_chunk, gradient_output, persistent_grid, row_view, rows_in_group, tile
+from .rowwise import (
+    forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
+)
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
 # tuned backward: one persistent program per SM (16 warps x 117 registers fill an SM's register file: a second
@@ -298,8 +300,7 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
             constexprs={"CHUNK": chunk, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},
             num_warps=num_warps or warps_for(chunk))
     else:
-        block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
-        block_m = block_m or block_m_default
+        block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)
         launch = Launch(
             kernel=_layer_norm_forward_kernel,
             grid=(cdiv(n_rows, block_m),),
@@ -307,7 +308,7 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
             outputs=outputs,
             constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
                         "FULL_ROW": n_cols == block_n},
-            num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
+            num_warps=num_warps,
         )
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))

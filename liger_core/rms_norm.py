@@ -22,12 +22,13 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_finite, check_float, check_nonempty,
-    next_power_of_2, promote,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_finite, check_float, check_nonempty, promote,
     warps_for,
 )
 from .reduce import sum_partials_launch
-from .rowwise import forward_chunk, gradient_output, persistent_grid, row_view, rows_in_group, tile
+from .rowwise import (
+    forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
+)
 from .tl_math import aligned, cast, round_to
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
@@ -315,15 +316,14 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
             outputs=outputs, constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight},
             num_warps=num_warps or warps_for(chunk))
     else:
-        block_m_default, block_n = tile(n_cols, n_rows, _FORWARD_TILE)
-        block_m = block_m or block_m_default
+        block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)
         launch = Launch(
             kernel=_rms_norm_forward_kernel,
             grid=(cdiv(n_rows, block_m),),
             args=(Buf("x"), x_row_stride, x_col_stride, *weight_args, n_rows, n_cols, float(eps), float(offset)),
             outputs=outputs,
             constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": casting, "HAS_WEIGHT": has_weight},
-            num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))),
+            num_warps=num_warps,
         )
     inputs = ("x", "weight") if has_weight else ("x",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))

@@ -45,6 +45,15 @@ def forward_chunk(n_cols: int, chunk: int | None) -> int:
     return chunk
 
 
+def held_forward_tiling(n_cols: int, n_rows: int, elements: int, block_m: int | None,
+                        num_warps: int | None) -> tuple[int, int, int]:
+    """``(block_m, block_n, num_warps)`` of a norm forward holding whole rows: about ``elements`` values a
+    program at 4-8 warps (``block_m`` and ``num_warps`` override)."""
+    default_m, block_n = tile(n_cols, n_rows, elements)
+    block_m = block_m or default_m
+    return block_m, block_n, num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024)))
+
+
 def rows_in_group(n_rows: int, groups: int) -> int:
     """Rows in each of ``groups`` equal blocks (a vmapped batch folded into rows)."""
     if groups < 1 or n_rows % groups:

@@ -66,3 +66,27 @@ def test_mode_flag_rejects_garbage():
 
 def test_mode_is_decided_once():
     assert runtime.interpreting() is liger_core.INTERPRET
+
+
+def _norm_forward_kernel(family, n_cols, chunk=None):
+    """The kernel a norm forward plan (bf16 rows of ``n_cols``, no parameters) launches."""
+    from liger_core import fused_add_rms_norm, layer_norm, rms_norm
+
+    x = ArrayInfo.contiguous((2, n_cols), "bfloat16")
+    plan = {"rms_norm": lambda: rms_norm.forward_plan(x, None, eps=1e-6, chunk=chunk),
+            "layer_norm": lambda: layer_norm.forward_plan(x, None, None, eps=1e-5, chunk=chunk),
+            "fused_add_rms_norm": lambda: fused_add_rms_norm.forward_plan(x, x, None, eps=1e-6, chunk=chunk)}[family]()
+    return plan.launches[0].kernel.fn.__name__
+
+
+@pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+def test_norm_forwards_hold_rows_up_to_16384_columns_and_chunk_wider_ones(family):
+    """A held row spilled from 32768 columns on (ptxas); ``chunk`` overrides either way."""
+    held, chunked = f"_{family}_forward_kernel", f"_{family}_chunked_forward_kernel"
+    assert _norm_forward_kernel(family, 16384) == held
+    assert _norm_forward_kernel(family, 16385) == chunked
+    assert _norm_forward_kernel(family, 64, chunk=16) == chunked
+    assert _norm_forward_kernel(family, 65536, chunk=0) == held
+    for chunk in (24, 8, -16):
+        with pytest.raises(ValueError, match="chunk must be 0"):
+            _norm_forward_kernel(family, 64, chunk=chunk)
