@@ -7,8 +7,9 @@ the sweep says whether small inputs want another configuration.
     python3 scripts/tune_norm_forward.py [--shapes 4096x4096 16384x4096 65536x4096] [--timer graph|bench]
         [--out FILE]
 
-Past 16384 columns the forwards sweep each row in chunks (``liger_core.rowwise.forward_chunk``): the sweep then
-tries chunk widths x warps, and the held row at 16 and 32 warps (e.g. ``--shapes 4096x32768 4096x65536``).
+Past 16384 columns the forwards sweep each row in chunks (``liger_core.rowwise.forward_chunk``); from 8192
+columns the sweep tries chunk widths x warps beside the held rows (e.g. ``--shapes 16384x16384 4096x32768
+4096x65536``).
 
 ``--timer bench`` times each configuration as the benchmark suite does (CUDA events, L2 flushed before each
 repetition, the host kept ahead) instead of CUDA-graph replays, and adds Liger-Kernel's forward (when installed)
@@ -60,14 +61,17 @@ def _cases(n, h):
 
 
 def _configs(h):
-    """Launch overrides to try at hidden size ``h``: rows a program x warps for held rows; past 16384 columns
-    (rows swept in chunks) also chunk widths x warps, and held rows at 32 warps (the old default spilled)."""
+    """Launch overrides to try at hidden size ``h``: rows a program x warps for held rows (forced with chunk=0
+    past MAX_HELD_COLUMNS, one row at 16 and 32 warps: the old default spilled there), and from 8192 columns
+    chunk widths x warps (the chunked sweep is the default only past MAX_HELD_COLUMNS; at 16384 LayerNorm's
+    held row takes 174 registers a thread, one 8-warp program an SM, so the sweep may serve it better)."""
     warps = WARPS + ((32,) if h >= 16384 else ())  # wide rows: 32 warps keep LayerNorm at ~51 registers
-    held = [dict(block_m=bm, num_warps=w) for bm, w in itertools.product(ROWS_PER_PROGRAM, warps)]
     if h <= MAX_HELD_COLUMNS:
-        return held
-    return ([dict(chunk=c, num_warps=w) for c, w in itertools.product(CHUNKS, (8, 16, 32))]
-            + [dict(chunk=0, block_m=1, num_warps=w) for w in (16, 32)])
+        held = [dict(block_m=bm, num_warps=w) for bm, w in itertools.product(ROWS_PER_PROGRAM, warps)]
+    else:
+        held = [dict(chunk=0, block_m=1, num_warps=w) for w in (16, 32)]
+    chunked = [dict(chunk=c, num_warps=w) for c, w in itertools.product(CHUNKS, (8, 16, 32)) if c <= h]
+    return held + (chunked if h >= 8192 else [])
 
 
 def _liger_kernel(name, x, w, b):
