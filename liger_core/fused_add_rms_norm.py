@@ -23,7 +23,8 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, _check_inputs, backward_variant, chunk_columns, load_scale, normalize_and_scale, output_dtype,
+    CASTING_MODES, _check_inputs, backward_variant, chunk_columns, load_chunk, load_scale, normalize_and_scale,
+    output_dtype,
     rms_norm_backward_kernel,
 )
 from .rowwise import (
@@ -36,6 +37,9 @@ from .tl_math import aligned, cast, round_to
 # 8k-element tiles with the next tile prefetched (not yet swept on the H200 for this kernel itself; the plans
 # take overrides for tuning).
 _FORWARD_TILE = 4096
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS) does not prefetch: ptxas (sm_90, 16 warps) 81 registers
+# with it against 58, one program an SM instead of two (as LayerNorm's; not yet measured).
+_CHUNKED_PREFETCH = False
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 
@@ -80,10 +84,12 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     W, w_stride,
     n_cols, eps, offset,
     Y, H, RSTD,
-    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
-    over CHUNK-column chunks writes h and sums its squares, a second reads h back (from L2) and writes y."""
+    over CHUNK-column chunks writes h and sums its squares (PREFETCH: with the next chunk's loads in flight,
+    as RMSNorm's), a second reads h back (from L2) and writes y."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     r_row_stride = aligned(r_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
@@ -92,11 +98,21 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     h_dtype = H.dtype.element_ty
     n_chunks = tl.cdiv(n_cols, CHUNK)
     squares = tl.zeros((1, CHUNK), dtype=tl.float32)
+    x_rows = X + rows[:, None] * x_row_stride
+    r_rows = R + rows[:, None] * r_row_stride
+    if PREFETCH:
+        x_next = load_chunk(x_rows, x_col_stride, 0, n_chunks, n_cols, CHUNK, False)
+        r_next = load_chunk(r_rows, r_col_stride, 0, n_chunks, n_cols, CHUNK, False)
     for i in range(n_chunks):
+        if PREFETCH:
+            x, r = x_next, r_next
+            x_next = load_chunk(x_rows, x_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
+            r_next = load_chunk(r_rows, r_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
+        else:
+            x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, False)
+            r = load_chunk(r_rows, r_col_stride, i, n_chunks, n_cols, CHUNK, False)
         cols = chunk_columns(i, n_chunks, CHUNK, False)
         mask = (cols < n_cols)[None, :]
-        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-        r = tl.load(R + rows[:, None] * r_row_stride + cols[None, :] * r_col_stride, mask=mask, other=0.0)
         hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)
         tl.store(h_rows + cols[None, :], cast(hf, h_dtype), mask=mask)
         squares += hf * hf
@@ -107,7 +123,7 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     for i in range(n_chunks):
         cols = chunk_columns(i, n_chunks, CHUNK, True)
         col_mask = cols < n_cols
-        hf = tl.load(h_rows + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+        hf = load_chunk(h_rows, 1, i, n_chunks, n_cols, CHUNK, True).to(tl.float32)
         scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT)
         y = normalize_and_scale(hf, rstd, scale, h_dtype, y_dtype, CASTING, HAS_WEIGHT)
         tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=col_mask[None, :])
@@ -128,13 +144,13 @@ def _check_pair(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, cas
 def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *, eps: float,
                  offset: float = 0.0, casting_mode: str = "llama", weight_name: str = "weight",
                  block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps",
-                 chunk: int | None = None) -> Plan:
+                 chunk: int | None = None, prefetch: bool | None = None) -> Plan:
     """Plan for ``y, h, rstd = fused_add_rms_norm(x, residual, weight)``.
 
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
-    messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``block_m`` and
-    ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`)."""
+    messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``prefetch``,
+    ``block_m`` and ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`)."""
     _check_pair(x, residual, weight, casting_mode, weight_name)
     check_eps(eps, eps_name)
     check_finite(offset, "offset")
@@ -153,7 +169,8 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
         launch = Launch(
             kernel=_fused_add_rms_norm_chunked_forward_kernel, grid=(n_rows,),
             args=(*row_args, n_cols, float(eps), float(offset)), outputs=outputs,
-            constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight},
+            constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight,
+                        "PREFETCH": _CHUNKED_PREFETCH if prefetch is None else prefetch},
             num_warps=num_warps or warps_for(chunk))
     else:
         block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)

@@ -24,7 +24,7 @@ from .launch import (
     promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
-from .rms_norm import backward_variant, chunk_columns, load_backward_rows, reload_backward_tile
+from .rms_norm import backward_variant, chunk_columns, load_backward_rows, load_chunk, reload_backward_tile
 from .rowwise import (
     forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
 )
@@ -34,6 +34,10 @@ from .rowwise import (
 # program cannot be resident), 8k-element tiles with the next tile prefetched (not yet swept on the H200 for
 # LayerNorm itself; the plans take overrides for tuning).
 _FORWARD_TILE = 4096
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS) does not prefetch: ptxas (sm_90, 16 warps) 88 registers
+# with it against 59 (the per-lane moments take 32), one program an SM instead of two, the same loads in flight
+# and no overlap of one row's end with the next's start (not yet measured; scripts/tune_norm_forward.py).
+_CHUNKED_PREFETCH = False
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 
@@ -101,11 +105,13 @@ def _layer_norm_chunked_forward_kernel(
     B, b_stride,
     n_cols, eps,
     Y, MEAN, RSTD,
-    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS). The first sweep
     keeps Welford's running mean and squared deviations per lane (no cancellation, and no reduction until the
-    row's end), merged across lanes once; the second reads x again (from L2) and writes y. Both work on x less
+    row's end), merged across lanes once (PREFETCH: with the next chunk's load in flight, as RMSNorm's); the
+    second reads x again (from L2) and writes y. Both work on x less
     the row's first value: a row far from zero would otherwise leave the running means the rounding error of
     their own size (~1e-4 of the spread for a mean 2000 times it), which the held-row kernel's refinement
     step removes."""
@@ -117,10 +123,16 @@ def _layer_norm_chunked_forward_kernel(
     n_chunks = tl.cdiv(n_cols, CHUNK)
     lane_mean = tl.zeros((1, CHUNK), dtype=tl.float32)
     lane_m2 = tl.zeros((1, CHUNK), dtype=tl.float32)
+    if PREFETCH:
+        x_next = load_chunk(x_rows, x_col_stride, 0, n_chunks, n_cols, CHUNK, False)
     for i in range(n_chunks):
-        cols = chunk_columns(i, n_chunks, CHUNK, False)
-        mask = (cols < n_cols)[None, :]
-        xf = tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32) - shift[:, None]
+        if PREFETCH:
+            x = x_next
+            x_next = load_chunk(x_rows, x_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
+        else:
+            x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, False)
+        mask = (chunk_columns(i, n_chunks, CHUNK, False) < n_cols)[None, :]
+        xf = x.to(tl.float32) - shift[:, None]
         delta = xf - lane_mean
         lane_mean += tl.where(mask, delta * (1.0 / (i + 1)), 0.0)  # a lane's (i + 1)-th value
         lane_m2 += tl.where(mask, delta * (xf - lane_mean), 0.0)
@@ -133,7 +145,7 @@ def _layer_norm_chunked_forward_kernel(
     for i in range(n_chunks):
         cols = chunk_columns(i, n_chunks, CHUNK, True)
         col_mask = cols < n_cols
-        xf = tl.load(x_rows + cols[None, :] * x_col_stride, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        xf = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, True).to(tl.float32)
         y = ((xf - shift[:, None]) - mean[:, None]) * rstd[:, None]
         if HAS_WEIGHT:
             y = y * tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -274,13 +286,13 @@ def promoted_dtype(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | Non
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *, eps: float,
                  out_dtype: str | None = None, weight_name: str = "weight", bias_name: str = "bias",
                  block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps",
-                 chunk: int | None = None) -> Plan:
+                 chunk: int | None = None, prefetch: bool | None = None) -> Plan:
     """Plan for ``y, mean, rstd = layer_norm(x, weight, bias)``; inputs ``x`` (``weight``, ``bias`` when given).
 
     ``out_dtype`` is y's dtype (default: x's, as in torch). ``weight_name`` / ``bias_name`` name the parameters
     as the caller's API does, for error messages (``eps_name`` the epsilon). Rows wider than
-    ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``block_m`` and ``num_warps`` override the
-    launch: :func:`liger_core.rowwise.forward_chunk`)."""
+    ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``prefetch``, ``block_m`` and ``num_warps``
+    override the launch: :func:`liger_core.rowwise.forward_chunk`)."""
     _check_inputs(x, weight, bias, weight_name, bias_name)
     check_eps(eps, eps_name)
     y_dtype = x.dtype if out_dtype is None else out_dtype
@@ -297,7 +309,8 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
         launch = Launch(
             kernel=_layer_norm_chunked_forward_kernel, grid=(n_rows,),
             args=(Buf("x"), x_row_stride, x_col_stride, *param_args, n_cols, float(eps)), outputs=outputs,
-            constexprs={"CHUNK": chunk, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias},
+            constexprs={"CHUNK": chunk, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
+                        "PREFETCH": _CHUNKED_PREFETCH if prefetch is None else prefetch},
             num_warps=num_warps or warps_for(chunk))
     else:
         block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)

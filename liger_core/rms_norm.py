@@ -37,6 +37,10 @@ CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 # tiles of 8k elements with the next tile prefetched; a single row of 16k+ elements is its own tile, without
 # prefetch (two such tiles in registers halve occupancy: 0.21 ms against 0.14 ms at 4096 x 16384).
 _FORWARD_TILE = 4096
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS) prefetches the next chunk in its first sweep: ptxas (sm_90,
+# 16 warps) 53 registers with it, 40 without, so two programs an SM either way that hold 64 loads in flight
+# against 48 (not yet measured; scripts/tune_norm_forward.py sweeps it).
+_CHUNKED_PREFETCH = True
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 
@@ -108,25 +112,42 @@ def chunk_columns(i, n_chunks, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr):
 
 
 @triton.jit
+def load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr):
+    """Step ``i`` of a chunked sweep over a (1, n_cols) row: (1, CHUNK) values in the row's dtype, zeros past its
+    end (a step past the last chunk loads nothing: the first sweeps prefetch one step ahead)."""
+    cols = chunk_columns(i, n_chunks, CHUNK, SECOND_SWEEP)
+    return tl.load(rows_ptr + cols[None, :] * col_stride, mask=(cols < n_cols)[None, :], other=0.0)
+
+
+@triton.jit
 def _rms_norm_chunked_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
     n_cols, eps, offset,
     Y, RSTD,
-    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
     over CHUNK-column chunks sums the squares (per lane, one reduction at the end), a second reads x again
-    (from L2) and writes y, rounded as the held-row kernel rounds."""
+    (from L2) and writes y, rounded as the held-row kernel rounds. With PREFETCH the first sweep, which reads
+    from DRAM, issues the next chunk's load before it waits for the current one: two loads in flight a warp,
+    not one (a sweep loop is latency-bound: liger_core.cross_entropy.row_softmax_stats), for more registers."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     x_rows = X + rows[:, None] * x_row_stride
     n_chunks = tl.cdiv(n_cols, CHUNK)
     squares = tl.zeros((1, CHUNK), dtype=tl.float32)
+    if PREFETCH:
+        x_next = load_chunk(x_rows, x_col_stride, 0, n_chunks, n_cols, CHUNK, False)
     for i in range(n_chunks):
-        cols = chunk_columns(i, n_chunks, CHUNK, False)
-        xf = tl.load(x_rows + cols[None, :] * x_col_stride, mask=(cols < n_cols)[None, :], other=0.0).to(tl.float32)
+        if PREFETCH:
+            x = x_next
+            x_next = load_chunk(x_rows, x_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
+        else:
+            x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, False)
+        xf = x.to(tl.float32)
         squares += xf * xf
     rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd)
@@ -134,7 +155,7 @@ def _rms_norm_chunked_forward_kernel(
     for i in range(n_chunks):
         cols = chunk_columns(i, n_chunks, CHUNK, True)
         col_mask = cols < n_cols
-        x = tl.load(x_rows + cols[None, :] * x_col_stride, mask=col_mask[None, :], other=0.0)
+        x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, True)
         scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT)
         y = normalize_and_scale(x.to(tl.float32), rstd, scale, x.dtype, y_dtype, CASTING, HAS_WEIGHT)
         tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=col_mask[None, :])
@@ -293,12 +314,14 @@ def output_dtype(x_dtype: str, weight_dtype: str | None, casting_mode: str) -> s
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable shapes: build each once
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: float = 0.0,
                  casting_mode: str = "llama", weight_name: str = "weight", block_m: int | None = None,
-                 num_warps: int | None = None, eps_name: str = "eps", chunk: int | None = None) -> Plan:
+                 num_warps: int | None = None, eps_name: str = "eps", chunk: int | None = None,
+                 prefetch: bool | None = None) -> Plan:
     """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
 
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
     messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk`` overrides:
-    :func:`liger_core.rowwise.forward_chunk`); ``block_m`` and ``num_warps`` override the launch too."""
+    :func:`liger_core.rowwise.forward_chunk`; ``prefetch`` the chunked sweep's prefetch); ``block_m`` and
+    ``num_warps`` override the launch too."""
     _check_inputs(x, weight, casting_mode, weight_name)
     check_eps(eps, eps_name)
     check_finite(offset, "offset")
@@ -313,7 +336,8 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
         launch = Launch(
             kernel=_rms_norm_chunked_forward_kernel, grid=(n_rows,),
             args=(Buf("x"), x_row_stride, x_col_stride, *weight_args, n_cols, float(eps), float(offset)),
-            outputs=outputs, constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight},
+            outputs=outputs, constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight,
+                        "PREFETCH": _CHUNKED_PREFETCH if prefetch is None else prefetch},
             num_warps=num_warps or warps_for(chunk))
     else:
         block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)

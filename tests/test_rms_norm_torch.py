@@ -313,13 +313,15 @@ def test_chunked_forward_against_reference(shape, chunk, mode, offset, dtype, de
     x = (torch.randn(shape, generator=gen) * 3).to(device, dtype)
     w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(device, dtype)
     for weight in (w, None):
-        plan = core.forward_plan(info(x), None if weight is None else info(weight), eps=1e-6, offset=offset,
-                                 casting_mode=mode, chunk=chunk)
-        assert plan.launches[0].kernel is core._rms_norm_chunked_forward_kernel
-        y, rstd = run_plan(plan, x=x, **({} if weight is None else {"weight": weight}))
+        outs = [run_plan(core.forward_plan(info(x), None if weight is None else info(weight), eps=1e-6,
+                                           offset=offset, casting_mode=mode, chunk=chunk, prefetch=prefetch),
+                         x=x, **({} if weight is None else {"weight": weight})) for prefetch in (False, True)]
+        y, rstd = outs[0]
         assert_close(y, reference(x, weight, 1e-6, offset, mode), dtype, "y")
         x64 = x.double()
         assert_close(rstd, torch.rsqrt(x64.pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
+        for a, b in zip(*outs):  # the prefetch changes when loads are issued, not what is computed
+            assert torch.equal(a, b)
 
 
 def test_rows_over_16384_columns_through_autograd(device, seed):
