@@ -30,7 +30,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .tl_math import aligned, cast, exp_ftz, exp_minus_abs_ftz, tanh
+from .tl_math import aligned, cast, chunk_columns, exp_ftz, exp_minus_abs_ftz, tanh
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, cdiv, check_float, check_int, check_nonempty,
     contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
@@ -222,8 +222,9 @@ def _cross_entropy_kernel(
             a = a * g
             b = b * g
             c = c * g
-        for start in range(0, n_cols, BLOCK_V):
-            cols = start + offsets
+        n_blocks = tl.cdiv(n_cols, BLOCK_V)
+        for i in range(n_blocks):
+            cols = chunk_columns(i, n_blocks, BLOCK_V, True)  # last block first: sweep 1's latest, likeliest in L2
             mask = cols < n_cols
             x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:

@@ -23,14 +23,13 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, _check_inputs, backward_variant, chunk_columns, load_chunk, load_scale, normalize_and_scale,
-    output_dtype,
+    CASTING_MODES, _check_inputs, backward_variant, load_chunk, load_scale, normalize_and_scale, output_dtype,
     rms_norm_backward_kernel,
 )
 from .rowwise import (
     forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
 )
-from .tl_math import aligned, cast, round_to
+from .tl_math import aligned, cast, chunk_columns, round_to
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
 # tuned backward: one persistent program per SM (16 warps at ~110 registers fill an SM's register file),

@@ -18,13 +18,13 @@ import functools
 import triton
 import triton.language as tl
 
-from .tl_math import aligned, cast
+from .tl_math import aligned, cast, chunk_columns
 from .launch import (
     FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_float, check_nonempty,
     promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
-from .rms_norm import backward_variant, chunk_columns, load_backward_rows, load_chunk, reload_backward_tile
+from .rms_norm import backward_variant, load_backward_rows, load_chunk, reload_backward_tile
 from .rowwise import (
     forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
 )

@@ -29,7 +29,7 @@ from .reduce import sum_partials_launch
 from .rowwise import (
     forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
 )
-from .tl_math import aligned, cast, round_to
+from .tl_math import aligned, cast, chunk_columns, round_to
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 # Launch configuration, from the H200 sweep in docs/perf-notes.md (scripts/tune_rms_norm.py):
@@ -101,14 +101,6 @@ def _rms_norm_forward_kernel(
     y_dtype = Y.dtype.element_ty
     y = normalize_and_scale(xf, rstd, scale, x.dtype, y_dtype, CASTING, HAS_WEIGHT)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=mask)
-
-
-@triton.jit
-def chunk_columns(i, n_chunks, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr):
-    """Columns of step ``i`` of a chunked row sweep. The second sweep goes last chunk first: the chunks the
-    first sweep read last are the likeliest to be still in L2."""
-    index = n_chunks - 1 - i if SECOND_SWEEP else i
-    return index * CHUNK + tl.arange(0, CHUNK)
 
 
 @triton.jit

@@ -41,6 +41,14 @@ def cast(value, dtype: tl.constexpr):
 
 
 @triton.jit
+def chunk_columns(i, n_chunks, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr):
+    """Columns of step ``i`` of a sweep over a row in CHUNK-column steps. A second sweep over the same row goes
+    last chunk first: the chunks the first sweep read last are the likeliest to be still in L2."""
+    index = n_chunks - 1 - i if SECOND_SWEEP else i
+    return index * CHUNK + tl.arange(0, CHUNK)
+
+
+@triton.jit
 def tanh(z):
     """tanh through exp (no libdevice): odd, with exp(-2|z|) <= 1 so nothing overflows."""
     e = tl.exp(-2.0 * tl.abs(z))
