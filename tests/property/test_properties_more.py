@@ -1,5 +1,6 @@
 """Property-based sweeps (hypothesis) of the public functions test_properties_torch.py does not cover:
-liger_torch's fused_add_rms_norm, rope, kl_div, jsd and fused_linear_cross_entropy, and liger_jax's rms_norm,
+liger_torch's fused_add_rms_norm, rope, kl_div, jsd and fused_linear_cross_entropy (and the three norms'
+chunked forwards, through their plans), and liger_jax's rms_norm,
 layer_norm, swiglu/geglu (and swiglu_linear / geglu_linear) and cross_entropy.
 
 As in test_properties_torch.py, each example draws shapes (1 row, odd and prime sizes), dtypes and options, the
@@ -27,7 +28,9 @@ from test_fused_add_rms_norm_torch import reference as fa_reference
 from test_fused_linear_cross_entropy_torch import reference as flce_reference
 from test_jsd_torch import reference as jsd_reference
 from test_layer_norm_jax import reference as jln_reference
+from test_layer_norm_torch import reference as ln_reference
 from test_rms_norm_jax import reference as jrms_reference
+from test_rms_norm_torch import reference as rms_reference
 from test_rope_torch import check_against_references as check_rope, hf_tables, run as rope_run
 from test_swiglu_jax import ACTS as JACTS, LINEAR_ACTS as JLINEAR_ACTS
 from test_swiglu_jax import check_gated_linear as check_jax_gated_linear
@@ -99,6 +102,44 @@ def test_fused_add_rms_norm(shape, h, dtype, mode_offset, with_weight, used, eps
         else:
             assert dw.dtype == dtype
             assert_close(dw, dw_ref, dtype, "dw", scale=slack * max(1.0, rows ** 0.5))
+
+
+# -------------------------------------------------------------------------------------- chunked norm forwards
+@given(shape=leading_and_layout(["contiguous", "offset", "row_slice", "strided_columns"]), h=st.integers(1, 600),
+       chunk=st.sampled_from([16, 32, 64, 128]), prefetch=st.booleans(), dtype=DTYPES,
+       family=st.sampled_from(["rms_norm", "layer_norm", "fused_add_rms_norm"]),
+       mode_offset=st.sampled_from([("llama", 0.0), ("gemma", 1.0), ("none", 0.0)]), seed=SEEDS)
+def test_chunked_norm_forwards(shape, h, chunk, prefetch, dtype, family, mode_offset, seed):
+    """The forwards of rows over 16384 columns, forced on small rows (``chunk``): any width against any chunk
+    (partial last chunks, a chunk wider than the row), every foldable layout, against the references."""
+    from liger_core import fused_add_rms_norm, layer_norm, rms_norm
+    from liger_torch._launch import info, run_plan
+
+    (lead, layout, pad), (mode, offset) = shape, mode_offset
+    gen = torch.Generator().manual_seed(seed)
+    x = make(gen, lead, h, dtype, layout, pad, scale=3.0, shift=0.5)
+    w = (torch.randn(h, generator=gen) * 0.5 + 1).to(DEVICE, dtype)
+    b = torch.randn(h, generator=gen).to(DEVICE, dtype)
+    kw = dict(chunk=chunk, prefetch=prefetch)
+    if family == "rms_norm":
+        y, rstd = run_plan(rms_norm.forward_plan(info(x), info(w), eps=1e-6, offset=offset, casting_mode=mode, **kw),
+                           x=x, weight=w)
+        assert_close(y, rms_reference(x, w, 1e-6, offset, mode), dtype, "y")
+        assert_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
+    elif family == "layer_norm":
+        y, mean, rstd = run_plan(layer_norm.forward_plan(info(x), info(w), info(b), eps=1e-5, **kw),
+                                 x=x, weight=w, bias=b)
+        assert_close(y, ln_reference(x, w, b, 1e-5), dtype, "y")
+        assert_close(mean, x.double().mean(-1), torch.float32, "mean")
+        assert_close(rstd, (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
+    else:
+        r = make(gen, lead, h, dtype, "contiguous", pad, scale=2.0)
+        y, hh, rstd = run_plan(fused_add_rms_norm.forward_plan(info(x), info(r), info(w), eps=1e-6, offset=offset,
+                                                               casting_mode=mode, **kw), x=x, residual=r, weight=w)
+        y_ref, h_ref = fa_reference(x, r, w, 1e-6, offset, mode)
+        slack = FA_SLACK.get(dtype, 1.0)
+        assert_close(y, y_ref, dtype, "y", scale=slack)
+        assert_close(hh, h_ref, dtype, "h", scale=slack)
 
 
 # ------------------------------------------------------------------------------------------------------- rope
