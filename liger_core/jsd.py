@@ -43,9 +43,10 @@ import triton.language as tl
 from . import cross_entropy as ce
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, check_float, check_int, check_nonempty, check_same_shape,
-    collapse_rows, next_power_of_2, promote, sweep_block_and_warps,
+    next_power_of_2, promote, sweep_block_and_warps,
 )
 from .reduce import sum_partials_launch
+from .rowwise import row_view
 from .tl_math import LN2, aligned, cast, exp_ftz, exp_minus_abs_ftz, log2_approx
 
 _COUNT_BLOCK = 1024
@@ -205,14 +206,6 @@ def check_options(*, beta, ignore_index) -> None:
     check_int(ignore_index, "ignore_index")
 
 
-def _rows(info: ArrayInfo, name: str):
-    view = collapse_rows(info)
-    if view is None:
-        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
-                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
-    return view
-
-
 def check_inputs(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None, *,
                  student_name: str = "student_logprobs", teacher_name: str = "teacher_logprobs",
                  labels_name: str = "labels") -> None:
@@ -257,8 +250,8 @@ def rows_launch(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | None
     with labels, ``n_total_rows`` without), and ``grad`` (written over ``student`` with ``in_place``).
     ``from_logits``: student and teacher are logits; the loss is that of ``log_softmax(z / temperature)`` and
     ``grad`` is d loss / d student logits."""
-    n_rows, n_cols, x_row_stride, x_col_stride = _rows(student, "student")
-    _, _, y_row_stride, y_col_stride = _rows(teacher, "teacher")
+    n_rows, n_cols, x_row_stride, x_col_stride = row_view(student, "student")
+    _, _, y_row_stride, y_col_stride = row_view(teacher, "teacher")
     dense = x_col_stride == 1 and (n_rows == 1 or x_row_stride >= n_cols)
     if compute_grad and in_place and dense:
         grad = NewBuffer("grad", student.shape, student.dtype, alias="student")
@@ -302,8 +295,8 @@ def forward_plan(student: ArrayInfo, teacher: ArrayInfo, labels: ArrayInfo | Non
     check_options(beta=beta, ignore_index=ignore_index)
     check_inputs(student, teacher, labels, student_name=student_name, teacher_name=teacher_name,
                  labels_name=labels_name)
-    n_rows = _rows(student, student_name)[0]
-    _rows(teacher, teacher_name)
+    n_rows = row_view(student, student_name)[0]
+    row_view(teacher, teacher_name)
     launches = []
     if labels is not None:
         launches.append(count_launch(labels, ignore_index))

@@ -34,11 +34,12 @@ import triton.language as tl
 
 from .tl_math import aligned, cast, exp_ftz, log_approx
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape, collapse_rows,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape,
     next_power_of_2, promote, sweep_block_and_warps, warps_for,
 )
 from . import cross_entropy as ce
 from .reduce import sum_partials_launch
+from .rowwise import row_view
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 _BACKWARD_BLOCK = 4096  # elements per program of the (elementwise) backward
@@ -118,14 +119,6 @@ def _kl_div_backward_kernel(
     tl.store(DX + row * n_cols + cols, cast((-y * scale) * g, DX.dtype.element_ty), mask=mask)
 
 
-def _rows(info: ArrayInfo, name: str):
-    view = collapse_rows(info)
-    if view is None:
-        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
-                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
-    return view
-
-
 def check_inputs(x: ArrayInfo, target: ArrayInfo, reduction: str, x_name: str = "input",
                  target_name: str = "target") -> None:
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
@@ -153,8 +146,8 @@ def _forward_launches(x: ArrayInfo, target: ArrayInfo, reduction: str, log_targe
     """The rows x chunks kernel, writing ``loss`` (``none``) or fp32 ``loss_rows``, then ``grad`` too unless
     ``grad_scale`` is None. Over several chunks it writes their sums ``loss_parts`` (chunks, rows), and a second
     launch adds them up per row."""
-    n_rows, n_cols, x_row_stride, x_col_stride = _rows(x, x_name)
-    _, _, y_row_stride, y_col_stride = _rows(target, target_name)
+    n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, x_name)
+    _, _, y_row_stride, y_col_stride = row_view(target, target_name)
     chunk = _forward_chunk(n_cols, chunk)
     step, warps = sweep_block_and_warps(chunk)
     n_chunks = cdiv(n_cols, chunk)
@@ -240,10 +233,10 @@ def backward_plan(grad_output: ArrayInfo, x: ArrayInfo, target: ArrayInfo, *, re
     output ``dinput`` (input's shape and dtype)."""
     check_inputs(x, target, reduction)
     check_float(grad_output, "grad_output")
-    n_rows, n_cols, y_row_stride, y_col_stride = _rows(target, "target")
+    n_rows, n_cols, y_row_stride, y_col_stride = row_view(target, "target")
     if reduction == "none":
         check_same_shape(x, "input", grad_output, "grad_output")
-        _, _, g_row_stride, g_col_stride = _rows(grad_output, "grad_output")
+        _, _, g_row_stride, g_col_stride = row_view(grad_output, "grad_output")
     else:
         if grad_output.numel != 1:
             raise ValueError(f"grad_output must be a scalar for reduction={reduction!r}, got {grad_output.shape}")

@@ -147,11 +147,15 @@ def contiguous_strides(shape) -> tuple[int, ...]:
 def collapse_rows(info: ArrayInfo) -> tuple[int, int, int, int] | None:
     """View an array as (rows, last-axis) by strides: ``(n_rows, n_cols, row_stride, col_stride)``.
 
-    Returns None when the leading axes cannot be folded into one strided axis without a copy.
+    Returns None when the leading axes cannot be folded into one strided axis without a copy, and when a row's
+    columns span 2**31 elements or more: the kernels index a row's columns in int32 (``col * col_stride``), which
+    only a transposed view of a huge array (columns strided by its row count) would overflow.
     """
     if info.ndim == 0:
         return None
     n_cols, col_stride = info.shape[-1], info.strides[-1]
+    if (n_cols - 1) * abs(col_stride) >= 2**31:
+        return None
     lead = [(d, s) for d, s in zip(info.shape[:-1], info.strides[:-1]) if d != 1]
     n_rows = math.prod(d for d, _ in lead)
     if not lead:

@@ -16,8 +16,9 @@ def row_view(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
     """``(n_rows, n_cols, row_stride, col_stride)`` of an array folded into rows, or a ValueError naming it."""
     view = collapse_rows(info)
     if view is None:
-        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides "
-                         f"(shape {info.shape}, strides {info.strides}); make it contiguous first")
+        raise ValueError(f"{name}'s leading dimensions cannot be folded into rows by strides, or its rows span "
+                         f"2**31 elements or more (shape {info.shape}, strides {info.strides}); make it contiguous "
+                         "first")
     return view
 
 

@@ -90,3 +90,26 @@ def test_norm_forwards_hold_rows_up_to_16384_columns_and_chunk_wider_ones(family
     for chunk in (24, 8, -16):
         with pytest.raises(ValueError, match="chunk must be 0"):
             _norm_forward_kernel(family, 64, chunk=chunk)
+
+
+def test_rows_whose_columns_span_2_31_elements_do_not_fold():
+    """The kernels index a row's columns in int32 (col * col_stride): a transposed view of a huge array, its
+    columns strided by the row count, is refused (the torch frontend copies it; a plan raises, naming it)
+    from (n_cols - 1) * col_stride >= 2**31 on, and kept below."""
+    from liger_core import rms_norm
+
+    below, at = 2**31 // 4095, 2**31 // 4095 + 1  # (4096 - 1) * stride just under / at 2**31
+    assert collapse_rows(ArrayInfo((below, 4096), (1, below), "bfloat16")) == (below, 4096, 1, below)
+    assert collapse_rows(ArrayInfo((at, 4096), (1, at), "bfloat16")) is None
+    with pytest.raises(ValueError, match=r"x's leading dimensions .* 2\*\*31 elements"):
+        rms_norm.forward_plan(ArrayInfo((at, 4096), (1, at), "bfloat16"), None, eps=1e-6)
+
+
+def test_torch_copies_a_view_whose_columns_span_2_31_elements():
+    torch = pytest.importorskip("torch")
+    from liger_torch._launch import rowwise
+
+    huge = torch.empty((4096, 600_000), device="meta", dtype=torch.bfloat16).t()  # no memory: meta tensors
+    assert rowwise(huge).is_contiguous()
+    kept = torch.empty((4096, 500_000), device="meta", dtype=torch.bfloat16).t()
+    assert rowwise(kept).stride() == (1, 500_000)
