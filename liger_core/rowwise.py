@@ -1,7 +1,8 @@
-"""Launch planning shared by the row-wise families (RMSNorm, LayerNorm, fused add + RMSNorm).
+"""Launch planning shared by the row-wise families (RMSNorm, LayerNorm, fused add + RMSNorm; ``row_view`` also
+by the losses).
 
 A row-wise kernel sees its input as (rows, last axis) by strides; the forward gives each program a tile of
-``block_m`` rows; the backward is persistent: ``n_programs`` per group walk ``rows_per_program`` rows each and
+``block_m`` rows (one row swept in chunks, past MAX_HELD_COLUMNS); the backward is persistent: ``n_programs`` per group walk ``rows_per_program`` rows each and
 leave one fp32 partial of each parameter gradient, reduced by :mod:`liger_core.reduce`.
 """
 
