@@ -23,8 +23,8 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, _check_inputs, backward_variant, load_chunk, load_scale, normalize_and_scale, output_dtype,
-    rms_norm_backward_kernel,
+    CASTING_MODES, _check_inputs, backward_variant, first_sweep_start, first_sweep_step, load_chunk, load_scale,
+    normalize_and_scale, output_dtype, rms_norm_backward_kernel,
 )
 from .rowwise import (
     forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
@@ -99,17 +99,11 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     squares = tl.zeros((1, CHUNK), dtype=tl.float32)
     x_rows = X + rows[:, None] * x_row_stride
     r_rows = R + rows[:, None] * r_row_stride
-    if PREFETCH:
-        x_next = load_chunk(x_rows, x_col_stride, 0, n_chunks, n_cols, CHUNK, False)
-        r_next = load_chunk(r_rows, r_col_stride, 0, n_chunks, n_cols, CHUNK, False)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    r_next = first_sweep_start(r_rows, r_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     for i in range(n_chunks):
-        if PREFETCH:
-            x, r = x_next, r_next
-            x_next = load_chunk(x_rows, x_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
-            r_next = load_chunk(r_rows, r_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
-        else:
-            x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, False)
-            r = load_chunk(r_rows, r_col_stride, i, n_chunks, n_cols, CHUNK, False)
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
+        r, r_next = first_sweep_step(r_rows, r_col_stride, i, n_chunks, n_cols, r_next, CHUNK, PREFETCH)
         cols = chunk_columns(i, n_chunks, CHUNK, False)
         mask = (cols < n_cols)[None, :]
         hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)

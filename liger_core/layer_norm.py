@@ -24,7 +24,9 @@ from .launch import (
     promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
-from .rms_norm import backward_variant, load_backward_rows, load_chunk, reload_backward_tile
+from .rms_norm import (
+    backward_variant, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk, reload_backward_tile,
+)
 from .rowwise import (
     forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
 )
@@ -123,14 +125,9 @@ def _layer_norm_chunked_forward_kernel(
     n_chunks = tl.cdiv(n_cols, CHUNK)
     lane_mean = tl.zeros((1, CHUNK), dtype=tl.float32)
     lane_m2 = tl.zeros((1, CHUNK), dtype=tl.float32)
-    if PREFETCH:
-        x_next = load_chunk(x_rows, x_col_stride, 0, n_chunks, n_cols, CHUNK, False)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     for i in range(n_chunks):
-        if PREFETCH:
-            x = x_next
-            x_next = load_chunk(x_rows, x_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
-        else:
-            x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, False)
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
         mask = (chunk_columns(i, n_chunks, CHUNK, False) < n_cols)[None, :]
         xf = x.to(tl.float32) - shift[:, None]
         delta = xf - lane_mean

@@ -112,6 +112,27 @@ def load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK: tl.constexpr, S
 
 
 @triton.jit
+def first_sweep_start(rows_ptr, col_stride, n_chunks, n_cols, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
+    """What a first sweep carries into its loop: with PREFETCH chunk 0's load, issued now (else nothing used)."""
+    if PREFETCH:
+        return load_chunk(rows_ptr, col_stride, 0, n_chunks, n_cols, CHUNK, False)
+    else:
+        return tl.zeros((1, CHUNK), dtype=rows_ptr.dtype.element_ty)
+
+
+@triton.jit
+def first_sweep_step(rows_ptr, col_stride, i, n_chunks, n_cols, pending, CHUNK: tl.constexpr,
+                     PREFETCH: tl.constexpr):
+    """``(chunk i, what to carry)`` of a first sweep. With PREFETCH chunk i is ``pending`` (loaded a step
+    earlier) and chunk i + 1's load is issued before chunk i is used: two loads in flight a warp, not one (a
+    sweep loop is latency-bound: liger_core.cross_entropy.row_softmax_stats), for more registers."""
+    if PREFETCH:
+        return pending, load_chunk(rows_ptr, col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
+    else:
+        return load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK, False), pending
+
+
+@triton.jit
 def _rms_norm_chunked_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
@@ -122,23 +143,17 @@ def _rms_norm_chunked_forward_kernel(
 ):
     """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
     over CHUNK-column chunks sums the squares (per lane, one reduction at the end), a second reads x again
-    (from L2) and writes y, rounded as the held-row kernel rounds. With PREFETCH the first sweep, which reads
-    from DRAM, issues the next chunk's load before it waits for the current one: two loads in flight a warp,
-    not one (a sweep loop is latency-bound: liger_core.cross_entropy.row_softmax_stats), for more registers."""
+    (from L2) and writes y, rounded as the held-row kernel rounds. PREFETCH: the first sweep, which reads from
+    DRAM, keeps the next chunk's load in flight (first_sweep_step)."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     x_rows = X + rows[:, None] * x_row_stride
     n_chunks = tl.cdiv(n_cols, CHUNK)
     squares = tl.zeros((1, CHUNK), dtype=tl.float32)
-    if PREFETCH:
-        x_next = load_chunk(x_rows, x_col_stride, 0, n_chunks, n_cols, CHUNK, False)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     for i in range(n_chunks):
-        if PREFETCH:
-            x = x_next
-            x_next = load_chunk(x_rows, x_col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
-        else:
-            x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, False)
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
         xf = x.to(tl.float32)
         squares += xf * xf
     rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
