@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_finite, check_float, check_same_shape,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_finite, check_float, check_same_shape,
     promote, warps_for,
 )
 from .reduce import sum_partials_launch
@@ -27,7 +27,7 @@ from .rms_norm import (
     normalize_and_scale, output_dtype, rms_norm_backward_kernel,
 )
 from .rowwise import (
-    forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
+    gradient_output, norm_forward_launch, persistent_grid, row_view, rows_in_group, tile,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -152,29 +152,15 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
     has_weight = weight is not None
     h_dtype = promote(x.dtype, residual.dtype)
     y_dtype = output_dtype(h_dtype, weight.dtype if has_weight else None, casting_mode)
-    row_args = (Buf("x"), x_row_stride, x_col_stride, Buf("residual"), r_row_stride, r_col_stride,
-                Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0)
-    outputs = (NewBuffer("y", x.shape, y_dtype), NewBuffer("h", x.shape, h_dtype),
-               NewBuffer("rstd", x.shape[:-1], "float32"))
-    casting = CASTING_MODES[casting_mode]
-    chunk = forward_chunk(n_cols, chunk)
-    if chunk:
-        launch = Launch(
-            kernel=_fused_add_rms_norm_chunked_forward_kernel, grid=(n_rows,),
-            args=(*row_args, n_cols, float(eps), float(offset)), outputs=outputs,
-            constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight,
-                        "PREFETCH": _CHUNKED_PREFETCH if prefetch is None else prefetch},
-            num_warps=num_warps or warps_for(chunk))
-    else:
-        block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)
-        launch = Launch(
-            kernel=_fused_add_rms_norm_forward_kernel,
-            grid=(cdiv(n_rows, block_m),),
-            args=(*row_args, n_rows, n_cols, float(eps), float(offset)),
-            outputs=outputs,
-            constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": casting, "HAS_WEIGHT": has_weight},
-            num_warps=num_warps,
-        )
+    launch = norm_forward_launch(
+        _fused_add_rms_norm_forward_kernel, _fused_add_rms_norm_chunked_forward_kernel,
+        (Buf("x"), x_row_stride, x_col_stride, Buf("residual"), r_row_stride, r_col_stride,
+         Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0), (float(eps), float(offset)),
+        (NewBuffer("y", x.shape, y_dtype), NewBuffer("h", x.shape, h_dtype),
+         NewBuffer("rstd", x.shape[:-1], "float32")),
+        {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight}, n_rows, n_cols,
+        tile_elements=_FORWARD_TILE, chunked_prefetch=_CHUNKED_PREFETCH, block_m=block_m, num_warps=num_warps,
+        chunk=chunk, prefetch=prefetch)
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .tl_math import aligned, cast, chunk_columns
 from .launch import (
-    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_float, check_nonempty,
+    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_float, check_nonempty,
     promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
@@ -28,7 +28,7 @@ from .rms_norm import (
     backward_variant, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk, reload_backward_tile,
 )
 from .rowwise import (
-    forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
+    gradient_output, norm_forward_launch, persistent_grid, row_view, rows_in_group, tile,
 )
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
@@ -113,10 +113,9 @@ def _layer_norm_chunked_forward_kernel(
     """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS). The first sweep
     keeps Welford's running mean and squared deviations per lane (no cancellation, and no reduction until the
     row's end), merged across lanes once (PREFETCH: with the next chunk's load in flight, as RMSNorm's); the
-    second reads x again (from L2) and writes y. Both work on x less
-    the row's first value: a row far from zero would otherwise leave the running means the rounding error of
-    their own size (~1e-4 of the spread for a mean 2000 times it), which the held-row kernel's refinement
-    step removes."""
+    second reads x again (from L2) and writes y. Both work on x less the row's first value: a row far from zero
+    would otherwise leave the running means the rounding error of their own size (~1e-4 of the spread for a
+    mean 2000 times it), which the held-row kernel's refinement step removes."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
@@ -297,29 +296,16 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {y_dtype}")
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
     has_weight, has_bias = weight is not None, bias is not None
-    param_args = (Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
-                  Buf("bias" if has_bias else "x"), bias.strides[0] if has_bias else 0)
-    outputs = (NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
-               NewBuffer("rstd", x.shape[:-1], "float32"))
-    chunk = forward_chunk(n_cols, chunk)
-    if chunk:
-        launch = Launch(
-            kernel=_layer_norm_chunked_forward_kernel, grid=(n_rows,),
-            args=(Buf("x"), x_row_stride, x_col_stride, *param_args, n_cols, float(eps)), outputs=outputs,
-            constexprs={"CHUNK": chunk, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
-                        "PREFETCH": _CHUNKED_PREFETCH if prefetch is None else prefetch},
-            num_warps=num_warps or warps_for(chunk))
-    else:
-        block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)
-        launch = Launch(
-            kernel=_layer_norm_forward_kernel,
-            grid=(cdiv(n_rows, block_m),),
-            args=(Buf("x"), x_row_stride, x_col_stride, *param_args, n_rows, n_cols, float(eps)),
-            outputs=outputs,
-            constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
-                        "FULL_ROW": n_cols == block_n},
-            num_warps=num_warps,
-        )
+    launch = norm_forward_launch(
+        _layer_norm_forward_kernel, _layer_norm_chunked_forward_kernel,
+        (Buf("x"), x_row_stride, x_col_stride, Buf("weight" if has_weight else "x"),
+         weight.strides[0] if has_weight else 0, Buf("bias" if has_bias else "x"), bias.strides[0] if has_bias else 0),
+        (float(eps),),
+        (NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
+         NewBuffer("rstd", x.shape[:-1], "float32")),
+        {"HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias}, n_rows, n_cols, tile_elements=_FORWARD_TILE,
+        chunked_prefetch=_CHUNKED_PREFETCH, block_m=block_m, num_warps=num_warps, chunk=chunk, prefetch=prefetch,
+        full_row_flag=True)
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
 

@@ -22,12 +22,12 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_finite, check_float, check_nonempty, promote,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_finite, check_float, check_nonempty, promote,
     warps_for,
 )
 from .reduce import sum_partials_launch
 from .rowwise import (
-    forward_chunk, gradient_output, held_forward_tiling, persistent_grid, row_view, rows_in_group, tile,
+    gradient_output, norm_forward_launch, persistent_grid, row_view, rows_in_group, tile,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -335,27 +335,14 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
     has_weight = weight is not None
     y_dtype = output_dtype(x.dtype, weight.dtype if has_weight else None, casting_mode)
-    weight_args = (Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0)
-    outputs = (NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32"))
-    casting = CASTING_MODES[casting_mode]
-    chunk = forward_chunk(n_cols, chunk)
-    if chunk:
-        launch = Launch(
-            kernel=_rms_norm_chunked_forward_kernel, grid=(n_rows,),
-            args=(Buf("x"), x_row_stride, x_col_stride, *weight_args, n_cols, float(eps), float(offset)),
-            outputs=outputs, constexprs={"CHUNK": chunk, "CASTING": casting, "HAS_WEIGHT": has_weight,
-                        "PREFETCH": _CHUNKED_PREFETCH if prefetch is None else prefetch},
-            num_warps=num_warps or warps_for(chunk))
-    else:
-        block_m, block_n, num_warps = held_forward_tiling(n_cols, n_rows, _FORWARD_TILE, block_m, num_warps)
-        launch = Launch(
-            kernel=_rms_norm_forward_kernel,
-            grid=(cdiv(n_rows, block_m),),
-            args=(Buf("x"), x_row_stride, x_col_stride, *weight_args, n_rows, n_cols, float(eps), float(offset)),
-            outputs=outputs,
-            constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": casting, "HAS_WEIGHT": has_weight},
-            num_warps=num_warps,
-        )
+    launch = norm_forward_launch(
+        _rms_norm_forward_kernel, _rms_norm_chunked_forward_kernel,
+        (Buf("x"), x_row_stride, x_col_stride, Buf("weight" if has_weight else "x"),
+         weight.strides[0] if has_weight else 0), (float(eps), float(offset)),
+        (NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32")),
+        {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight}, n_rows, n_cols,
+        tile_elements=_FORWARD_TILE, chunked_prefetch=_CHUNKED_PREFETCH, block_m=block_m, num_warps=num_warps,
+        chunk=chunk, prefetch=prefetch)
     inputs = ("x", "weight") if has_weight else ("x",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 

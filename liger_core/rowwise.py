@@ -2,15 +2,16 @@
 by the losses).
 
 A row-wise kernel sees its input as (rows, last axis) by strides; the forward gives each program a tile of
-``block_m`` rows (one row swept in chunks, past MAX_HELD_COLUMNS); the backward is persistent: ``n_programs`` per group walk ``rows_per_program`` rows each and
-leave one fp32 partial of each parameter gradient, reduced by :mod:`liger_core.reduce`.
+``block_m`` rows (one row swept in chunks, past MAX_HELD_COLUMNS); the backward is persistent: ``n_programs``
+per group walk ``rows_per_program`` rows each and leave one fp32 partial of each parameter gradient, reduced
+by :mod:`liger_core.reduce`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .launch import ArrayInfo, NewBuffer, cdiv, collapse_rows, next_power_of_2
+from .launch import ArrayInfo, Launch, NewBuffer, cdiv, collapse_rows, next_power_of_2, warps_for
 
 
 def row_view(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
@@ -47,13 +48,31 @@ def forward_chunk(n_cols: int, chunk: int | None) -> int:
     return chunk
 
 
-def held_forward_tiling(n_cols: int, n_rows: int, elements: int, block_m: int | None,
-                        num_warps: int | None) -> tuple[int, int, int]:
-    """``(block_m, block_n, num_warps)`` of a norm forward holding whole rows: about ``elements`` values a
-    program at 4-8 warps (``block_m`` and ``num_warps`` override)."""
-    default_m, block_n = tile(n_cols, n_rows, elements)
+def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: tuple, outputs: tuple,
+                        constexprs: dict, n_rows: int, n_cols: int, *, tile_elements: int, chunked_prefetch: bool,
+                        block_m: int | None = None, num_warps: int | None = None, chunk: int | None = None,
+                        prefetch: bool | None = None, full_row_flag: bool = False) -> Launch:
+    """The launch of a norm forward: ``held_kernel`` on ``block_m`` whole rows a program (about
+    ``tile_elements`` values, 4-8 warps), or past MAX_HELD_COLUMNS ``chunked_kernel`` on one row a program,
+    swept in chunks (:func:`forward_chunk`; with the family's ``chunked_prefetch``). Both kernels take
+    ``lead_args`` (buffers and strides), the held one then ``n_rows``, both ``n_cols`` and ``scalars``;
+    ``constexprs`` are common to both; ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``,
+    ``num_warps``, ``chunk`` and ``prefetch`` override (for tuning and tests)."""
+    chunk = forward_chunk(n_cols, chunk)
+    if chunk:
+        return Launch(
+            kernel=chunked_kernel, grid=(n_rows,), args=(*lead_args, n_cols, *scalars), outputs=outputs,
+            constexprs={**constexprs, "CHUNK": chunk, "PREFETCH": chunked_prefetch if prefetch is None else prefetch},
+            num_warps=num_warps or warps_for(chunk))
+    default_m, block_n = tile(n_cols, n_rows, tile_elements)
     block_m = block_m or default_m
-    return block_m, block_n, num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024)))
+    held = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}
+    if full_row_flag:
+        held["FULL_ROW"] = n_cols == block_n
+    return Launch(
+        kernel=held_kernel, grid=(cdiv(n_rows, block_m),), args=(*lead_args, n_rows, n_cols, *scalars),
+        outputs=outputs, constexprs=held,
+        num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))))
 
 
 def rows_in_group(n_rows: int, groups: int) -> int:
