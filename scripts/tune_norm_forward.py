@@ -63,8 +63,9 @@ def _cases(n, h):
 def _configs(h):
     """Launch overrides to try at hidden size ``h``: rows a program x warps for held rows (forced with chunk=0
     past MAX_HELD_COLUMNS, one row at 16 and 32 warps: the old default spilled there), and from 8192 columns
-    chunk widths x warps, and the first sweep's prefetch on and off at 16 warps (the chunked sweep is the default only past MAX_HELD_COLUMNS; at 16384 LayerNorm's
-    held row takes 174 registers a thread, one 8-warp program an SM, so the sweep may serve it better)."""
+    chunk widths x warps, and the first sweep's prefetch on and off at 16 warps (the chunked sweep is the
+    default only past MAX_HELD_COLUMNS; at 16384 LayerNorm's held row takes 174 registers a thread, one 8-warp
+    program an SM, so the sweep may serve it better)."""
     warps = WARPS + ((32,) if h >= 16384 else ())  # wide rows: 32 warps keep LayerNorm at ~51 registers
     if h <= MAX_HELD_COLUMNS:
         held = [dict(block_m=bm, num_warps=w) for bm, w in itertools.product(ROWS_PER_PROGRAM, warps)]
