@@ -23,11 +23,11 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, _check_inputs, backward_variant, first_sweep_start, first_sweep_step, load_chunk, load_scale,
-    normalize_and_scale, output_dtype, rms_norm_backward_kernel,
+    CASTING_MODES, ROW_DOTS_SWEEP, _check_inputs, backward_variant, first_sweep_start, first_sweep_step, load_chunk,
+    load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel, row_dots_launch,
 )
 from .rowwise import (
-    gradient_output, norm_forward_launch, persistent_grid, row_view, rows_in_group, tile,
+    ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -36,9 +36,10 @@ from .tl_math import aligned, cast, chunk_columns, round_to
 # 8k-element tiles with the next tile prefetched (not yet swept on the H200 for this kernel itself; the plans
 # take overrides for tuning).
 _FORWARD_TILE = 4096
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS) does not prefetch: ptxas (sm_90, 16 warps) 81 registers
-# with it against 58, one program an SM instead of two (as LayerNorm's; not yet measured).
-_CHUNKED_PREFETCH = False
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 16384-column chunks at 32 warps, no prefetch (45
+# registers). H200 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt): 4096 x 65536 0.546 ms against 0.595
+# for 8192-column chunks at 16 warps; 4096 x 32768 0.265 against 0.272.
+_CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=False)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 
@@ -159,7 +160,7 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("h", x.shape, h_dtype),
          NewBuffer("rstd", x.shape[:-1], "float32")),
         {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight}, n_rows, n_cols,
-        tile_elements=_FORWARD_TILE, chunked_prefetch=_CHUNKED_PREFETCH, block_m=block_m, num_warps=num_warps,
+        tile_elements=_FORWARD_TILE, chunked=_CHUNKED, block_m=block_m, num_warps=num_warps,
         chunk=chunk, prefetch=prefetch)
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
@@ -172,7 +173,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
                   separate_residual_grad: bool = True,
                   groups: int = 1, programs_per_sm: int | None = None, block_m: int | None = None,
                   num_warps: int | None = None, prefetch: bool | None = None,
-                  reload: bool | None = None) -> Plan:
+                  reload: bool | None = None, column_block: int | None = None) -> Plan:
     """Plan for ``dx, dresidual, dw = fused_add_rms_norm_backward(dy, dh, h, weight, rstd)``.
 
     Inputs ``dy`` (gradient of y), ``dh`` (gradient of the returned h; None when it has none), ``h``, ``rstd``
@@ -180,8 +181,9 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     ``separate_residual_grad`` (else dresidual is dx: a caller may only skip it when the dtypes agree), then
     ``dw`` with a weight. With ``in_place``, dx is written over dy, and with ``in_place_residual`` (default:
     ``in_place``) dresidual over dh, where the dtypes agree and the gradient is dense. ``groups`` as in
-    :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``, ``block_m``, ``num_warps``, ``prefetch`` and
-    ``reload`` override the launch configuration (for tuning and tests; :func:`liger_core.rms_norm.backward_variant`).
+    :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``, ``block_m``, ``num_warps``, ``prefetch``,
+    ``reload`` and ``column_block`` override the launch configuration (for tuning and tests;
+    :func:`liger_core.rms_norm.backward_variant`, :func:`liger_core.rowwise.backward_tiles`).
     """
     _check_inputs(h, weight, casting_mode)
     check_finite(offset, "offset")
@@ -198,11 +200,10 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     _, _, dy_row_stride, dy_col_stride = row_view(dy, "grad_output")
     dh_row_stride, dh_col_stride = row_view(dh, "grad_residual")[2:] if dh is not None else (0, 0)
     group_rows = rows_in_group(n_rows, groups)
-    block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
-    block_m = block_m or block_m_default
-    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload)
-    grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
-    n_programs = grid.n_programs
+    tiles = backward_tiles(group_rows, n_cols, _BACKWARD_TILE, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM,
+                           ROW_DOTS_SWEEP, block_m=block_m, column_block=column_block)
+    prefetch, reload = backward_variant(tiles.block_m * tiles.block_n, prefetch, reload, reload_wide=False)
+    n_programs = tiles.grid.n_programs
     dx, *dx_strides = gradient_output("dx", h.shape, x_dtype, "dy" if in_place else None, dy, n_rows, n_cols)
     if separate_residual_grad:
         over_dh = in_place if in_place_residual is None else in_place_residual
@@ -213,21 +214,24 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     has_weight = weight is not None
     main = Launch(
         kernel=rms_norm_backward_kernel,
-        grid=(n_programs, groups),
+        grid=(n_programs, groups, tiles.column_blocks),
         args=(Buf("dy"), dy_row_stride, dy_col_stride,
               Buf("dh" if dh is not None else "rstd"), dh_row_stride, dh_col_stride,  # rstd: never written
               Buf("h"), h_row_stride, h_col_stride,
               Buf("weight" if has_weight else "h"), weight.strides[0] if has_weight else 0,
-              Buf("rstd"), *dx_strides, *dr_strides,
-              group_rows, n_cols, float(offset), grid.rows_per_program),
+              Buf("rstd"), Buf("row_dot" if tiles.split else "rstd"), *dx_strides, *dr_strides,
+              group_rows, n_cols, float(offset), tiles.grid.rows_per_program),
         outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
-        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
+        constexprs={"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad,
-                    "PREFETCH": prefetch, "RELOAD": reload},
-        num_warps=num_warps or warps_for(block_m * block_n),
+                    "PREFETCH": prefetch, "RELOAD": reload and not tiles.split, "ROW_DOTS": tiles.split},
+        num_warps=num_warps or warps_for(tiles.block_m * tiles.block_n),
     )
     inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)
     launches = [main]
+    if tiles.split:  # the row sums read dy and h before the main launch may write dx over dy
+        launches.insert(0, row_dots_launch(("dy", dy_row_stride, dy_col_stride), ("h", h_row_stride, h_col_stride),
+                                           weight, offset, n_rows, n_cols, tiles.row_sums))
     outputs = ["dx"] + (["dresidual"] if separate_residual_grad else [])
     if has_weight:
         launches.append(sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype))

@@ -25,10 +25,11 @@ from .launch import (
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import (
-    backward_variant, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk, reload_backward_tile,
+    backward_variant, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk, load_row_values,
+    reload_backward_tile,
 )
 from .rowwise import (
-    gradient_output, norm_forward_launch, persistent_grid, row_view, rows_in_group, tile,
+    ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
 )
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
@@ -36,12 +37,24 @@ from .rowwise import (
 # program cannot be resident), 8k-element tiles with the next tile prefetched (not yet swept on the H200 for
 # LayerNorm itself; the plans take overrides for tuning).
 _FORWARD_TILE = 4096
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS) does not prefetch: ptxas (sm_90, 16 warps) 88 registers
-# with it against 59 (the per-lane moments take 32), one program an SM instead of two, the same loads in flight
-# and no overlap of one row's end with the next's start (not yet measured; scripts/tune_norm_forward.py).
-_CHUNKED_PREFETCH = False
+# Held rows over 8192 columns: two a program (at 16384, 8 warps, 253 registers, no spill). LayerNorm's held row
+# takes 174 registers at 8 warps (one program an SM), and one 32 KB row in flight an SM is too little: H200 bf16
+# 16384 x 16384 0.314 ms two rows a program against 0.451 one (RMSNorm, 122 registers, two programs an SM: 0.259);
+# benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt.
+_WIDE_FORWARD_TILE = 32768
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 4096-column chunks at 8 warps, no prefetch (48 registers,
+# five programs an SM). H200 bf16: 4096 x 65536 0.412 ms against 0.437 for 8192-column chunks at 16 warps, 4096 x
+# 32768 0.203 against 0.223 (same file).
+_CHUNKED = ChunkedSweep(chunk=4096, num_warps=8, prefetch=False)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
+# A reloaded wide tile (one row over _BACKWARD_TILE columns) at 8 warps: H200, 4096 x 16384, 0.180 ms against
+# 0.202 at 16 warps (benchmarks/results/h200-2026-12-06-tune_wide_bwd.txt; 16384 x 16384: 0.666 against 0.752).
+_WIDE_RELOAD_WARPS = 8
+# The column-split backward's row sums (rows over rowwise.MAX_HELD_COLUMNS): 4096-column chunks at 8 warps, the next
+# chunk's dy and x loads issued first (ptxas: 70 registers, three programs an SM; 8192 columns at 16 warps took 95,
+# one program an SM; not yet measured).
+_ROW_SUMS = ChunkedSweep(chunk=4096, num_warps=8, prefetch=True)
 
 
 @triton.jit
@@ -151,6 +164,45 @@ def _layer_norm_chunked_forward_kernel(
 
 
 @triton.jit
+def _layer_norm_row_sums_kernel(
+    DY, dy_row_stride, dy_col_stride,
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    MEAN, RSTD, n_cols,
+    ROW_DOT, ROW_MEAN,
+    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """mean(dxhat * xhat) * rstd and mean(dxhat) * rstd (dxhat = dy * w, xhat = (x - mean) * rstd) of one row a
+    program, swept once in CHUNK-column chunks (per-lane sums, one reduction at the end): the row sums that the
+    column-split backward (rows over rowwise.MAX_HELD_COLUMNS) needs before any column block can write dx."""
+    dy_row_stride = aligned(dy_row_stride, ALIGN)
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    dy_rows = DY + rows[:, None] * dy_row_stride
+    x_rows = X + rows[:, None] * x_row_stride
+    mean = tl.load(MEAN + rows)
+    rstd = tl.load(RSTD + rows)
+    n_chunks = tl.cdiv(n_cols, CHUNK)
+    dots = tl.zeros((1, CHUNK), dtype=tl.float32)
+    sums = tl.zeros((1, CHUNK), dtype=tl.float32)
+    dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    for i in range(n_chunks):
+        dy, dy_next = first_sweep_step(dy_rows, dy_col_stride, i, n_chunks, n_cols, dy_next, CHUNK, PREFETCH)
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
+        dxhat = dy.to(tl.float32)
+        if HAS_WEIGHT:
+            cols = chunk_columns(i, n_chunks, CHUNK, False)
+            dxhat = dxhat * tl.load(W + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        # past the row's end dy is 0, so dxhat is too and the centred x there adds nothing
+        dots += dxhat * ((x.to(tl.float32) - mean[:, None]) * rstd[:, None])
+        sums += dxhat
+    tl.store(ROW_DOT + rows, tl.sum(dots, axis=1) / n_cols * rstd)
+    tl.store(ROW_MEAN + rows, tl.sum(sums, axis=1) / n_cols * rstd)
+
+
+@triton.jit
 def _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, MEAN, RSTD,
                         first_row, local, row_end, cols, col_mask):
     """RMSNorm's tile loads (dy, x, rstd), plus the rows' means."""
@@ -165,18 +217,22 @@ def _layer_norm_backward_kernel(
     DY, dy_row_stride, dy_col_stride,
     X, x_row_stride, x_col_stride,
     W, w_stride,
-    MEAN, RSTD,
+    MEAN, RSTD, ROW_DOT, ROW_MEAN,
     dx_row_stride, dx_col_stride,
     rows_per_group, n_cols, rows_per_program,
     DX, DW_PARTIAL, DB_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PREFETCH: tl.constexpr, RELOAD: tl.constexpr, ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr, RELOAD: tl.constexpr, ROW_SUMS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
     PREFETCH the next tile's loads are issued before the current tile is computed (as RMSNorm's backward).
     With RELOAD (wide rows) nothing but the gradient accumulators stays in registers across the row's
     reductions: the weight is loaded with each tile, and dy, x and w are loaded again (from L1/L2) for dx and
-    the accumulators, instead of being held (at 16384 columns the held tile spilled)."""
+    the accumulators, instead of being held (at 16384 columns the held tile spilled).
+
+    With ROW_SUMS (rows over rowwise.MAX_HELD_COLUMNS) a tile is BLOCK_N columns of its rows, the column block of
+    grid axis 2, and each row's two sums (times rstd) come from ROW_DOT and ROW_MEAN
+    (:func:`_layer_norm_row_sums_kernel`) instead of the tile's own."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
     dx_row_stride = aligned(dx_row_stride, ALIGN)
@@ -187,7 +243,7 @@ def _layer_norm_backward_kernel(
     first_row = group * rows_per_group
     row_begin = program * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, rows_per_group)
-    cols = tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     if HAS_WEIGHT:
         if not RELOAD:
@@ -199,17 +255,23 @@ def _layer_norm_backward_kernel(
         next_dy, next_x, next_mean, next_rstd = _load_backward_rows(
             DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, MEAN, RSTD,
             first_row, row_begin + tl.arange(0, BLOCK_M), row_end, cols, col_mask)
+        next_dot = load_row_values(ROW_DOT, first_row, row_begin + tl.arange(0, BLOCK_M), row_end, ROW_SUMS)
+        next_dmean = load_row_values(ROW_MEAN, first_row, row_begin + tl.arange(0, BLOCK_M), row_end, ROW_SUMS)
     for start in range(0, rows_per_program, BLOCK_M):
         local = row_begin + start + tl.arange(0, BLOCK_M)
         if PREFETCH:
-            dy, x, mean, rstd = next_dy, next_x, next_mean, next_rstd
+            dy, x, mean, rstd, dot, dmean = next_dy, next_x, next_mean, next_rstd, next_dot, next_dmean
             next_dy, next_x, next_mean, next_rstd = _load_backward_rows(
                 DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, MEAN, RSTD,
                 first_row, local + BLOCK_M, row_end, cols, col_mask)
+            next_dot = load_row_values(ROW_DOT, first_row, local + BLOCK_M, row_end, ROW_SUMS)
+            next_dmean = load_row_values(ROW_MEAN, first_row, local + BLOCK_M, row_end, ROW_SUMS)
         else:
             dy, x, mean, rstd = _load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride,
                                                     x_col_stride, MEAN, RSTD, first_row, local, row_end, cols,
                                                     col_mask)
+            dot = load_row_values(ROW_DOT, first_row, local, row_end, ROW_SUMS)
+            dmean = load_row_values(ROW_MEAN, first_row, local, row_end, ROW_SUMS)
         rows = first_row + local.to(tl.int64)
         mask = (local < row_end)[:, None] & col_mask[None, :]
         if RELOAD and HAS_WEIGHT:
@@ -228,8 +290,12 @@ def _layer_norm_backward_kernel(
                 db_acc += dy
         # dx = (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) * rstd, as two FMAs per element: the row
         # constants take rstd in first
-        c_dot = tl.sum(dxhat * xhat, axis=1) / n_cols * rstd
-        c_mean = tl.sum(dxhat, axis=1) / n_cols * rstd
+        if ROW_SUMS:
+            c_dot = dot
+            c_mean = dmean
+        else:
+            c_dot = tl.sum(dxhat * xhat, axis=1) / n_cols * rstd
+            c_mean = tl.sum(dxhat, axis=1) / n_cols * rstd
         if RELOAD:
             dy_again, x_again = reload_backward_tile(DY, dy_row_stride, dy_col_stride, X, x_row_stride,
                                                      x_col_stride, rows, cols, mask)
@@ -303,26 +369,36 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
         (float(eps),),
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
          NewBuffer("rstd", x.shape[:-1], "float32")),
-        {"HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias}, n_rows, n_cols, tile_elements=_FORWARD_TILE,
-        chunked_prefetch=_CHUNKED_PREFETCH, block_m=block_m, num_warps=num_warps, chunk=chunk, prefetch=prefetch,
+        {"HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias}, n_rows, n_cols, tile_elements=_forward_tile(n_cols),
+        chunked=_CHUNKED, block_m=block_m, num_warps=num_warps, chunk=chunk, prefetch=prefetch,
         full_row_flag=True)
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
+
+
+def _forward_tile(n_cols: int) -> int:
+    return _WIDE_FORWARD_TILE if n_cols > 8192 else _FORWARD_TILE
+
+
+def _backward_warps(tile_elements: int, reload: bool) -> int:
+    return _WIDE_RELOAD_WARPS if reload and tile_elements > _BACKWARD_TILE else warps_for(tile_elements)
 
 
 @functools.lru_cache(maxsize=1024)
 def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *,
                   num_sms: int, in_place: bool = True, groups: int = 1, programs_per_sm: int | None = None,
                   block_m: int | None = None, num_warps: int | None = None, prefetch: bool | None = None,
-                  reload: bool | None = None) -> Plan:
+                  reload: bool | None = None, column_block: int | None = None) -> Plan:
     """Plan for ``dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)``.
 
     Inputs ``dy``, ``x``, ``mean``, ``rstd`` (and ``weight`` when given; the bias itself is not read, only its
     dtype); outputs ``dx``, then ``dw`` with a weight and ``db`` with a bias. With ``in_place`` and dy of x's
     dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal blocks (a folded vmap batch)
-    and dw / db have shape (groups, n_cols): one parameter gradient per block. ``programs_per_sm``,
-    ``block_m``, ``num_warps``, ``prefetch`` and ``reload`` override the launch configuration (for tuning and
-    tests; :func:`liger_core.rms_norm.backward_variant`).
+    and dw / db have shape (groups, n_cols): one parameter gradient per block. Rows over
+    ``rowwise.MAX_HELD_COLUMNS`` are split into column blocks after a first launch that sums each row.
+    ``programs_per_sm``, ``block_m``, ``num_warps``, ``prefetch``, ``reload`` and ``column_block`` override the
+    launch configuration (for tuning and tests; :func:`liger_core.rms_norm.backward_variant`,
+    :func:`liger_core.rowwise.backward_tiles`).
     """
     _check_inputs(x, weight, bias, "weight", "bias")
     if tuple(dy.shape) != tuple(x.shape):
@@ -331,30 +407,39 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
     _, _, dy_row_stride, dy_col_stride = row_view(dy, "grad_output")
     group_rows = rows_in_group(n_rows, groups)
-    block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
-    block_m = block_m or block_m_default
-    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload)
-    grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
-    n_programs = grid.n_programs
+    tiles = backward_tiles(group_rows, n_cols, _BACKWARD_TILE, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM,
+                           _ROW_SUMS, block_m=block_m, column_block=column_block)
+    block_m, block_n = tiles.block_m, tiles.block_n
+    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload, reload_wide=not tiles.split)
+    n_programs = tiles.grid.n_programs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
                                                        n_rows, n_cols)
     has_weight, has_bias = weight is not None, bias is not None
     partial_shape = (groups, n_programs, n_cols)
     main = Launch(
         kernel=_layer_norm_backward_kernel,
-        grid=(n_programs, groups),
+        grid=(n_programs, groups, tiles.column_blocks),
         args=(Buf("dy"), dy_row_stride, dy_col_stride, Buf("x"), x_row_stride, x_col_stride,
               Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
-              Buf("mean"), Buf("rstd"), dx_row_stride, dx_col_stride,
-              group_rows, n_cols, grid.rows_per_program),
+              Buf("mean"), Buf("rstd"), *((Buf("row_dot"), Buf("row_mean")) if tiles.split else (Buf("rstd"),) * 2),
+              dx_row_stride, dx_col_stride, group_rows, n_cols, tiles.grid.rows_per_program),
         outputs=(dx, NewBuffer("dw_partial", partial_shape if has_weight else (1,), "float32"),
                  NewBuffer("db_partial", partial_shape if has_bias else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
-                    "PREFETCH": prefetch, "RELOAD": reload},
-        num_warps=num_warps or warps_for(block_m * block_n),
+                    "PREFETCH": prefetch, "RELOAD": reload and not tiles.split, "ROW_SUMS": tiles.split},
+        num_warps=num_warps or _backward_warps(block_m * block_n, reload),
     )
     inputs = ("dy", "x") + (("weight",) if has_weight else ()) + ("mean", "rstd")
     launches, outputs = [main], ["dx"]
+    if tiles.split:  # the row sums read dy before the main launch may write dx over it
+        launches.insert(0, Launch(
+            kernel=_layer_norm_row_sums_kernel, grid=(n_rows,),
+            args=(Buf("dy"), dy_row_stride, dy_col_stride, Buf("x"), x_row_stride, x_col_stride,
+                  Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
+                  Buf("mean"), Buf("rstd"), n_cols),
+            outputs=(NewBuffer("row_dot", (n_rows,), "float32"), NewBuffer("row_mean", (n_rows,), "float32")),
+            constexprs={"CHUNK": tiles.row_sums.chunk, "HAS_WEIGHT": has_weight, "PREFETCH": tiles.row_sums.prefetch},
+            num_warps=tiles.row_sums.num_warps))
     if has_weight and has_bias:
         launches.append(sum_partial_pairs_launch(("dw_partial", "db_partial"), ("dw", "db"), groups, n_programs,
                                                  n_cols, (weight.dtype, bias.dtype)))

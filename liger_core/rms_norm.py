@@ -27,7 +27,7 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rowwise import (
-    gradient_output, norm_forward_launch, persistent_grid, row_view, rows_in_group, tile,
+    ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -37,12 +37,16 @@ CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 # tiles of 8k elements with the next tile prefetched; a single row of 16k+ elements is its own tile, without
 # prefetch (two such tiles in registers halve occupancy: 0.21 ms against 0.14 ms at 4096 x 16384).
 _FORWARD_TILE = 4096
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS) prefetches the next chunk in its first sweep: ptxas (sm_90,
-# 16 warps) 53 registers with it, 40 without, so two programs an SM either way that hold 64 loads in flight
-# against 48 (not yet measured; scripts/tune_norm_forward.py sweeps it).
-_CHUNKED_PREFETCH = True
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 16384-column chunks at 32 warps, the next chunk's load
+# issued first (52 registers, one program an SM). H200 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt):
+# 4096 x 65536 0.314 ms against 0.337 for 8192-column chunks at 16 warps; 4096 x 32768 0.147 against 0.146.
+_CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=True)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
+# The column-split backward's row sums (rows over rowwise.MAX_HELD_COLUMNS; shared with fused add+RMSNorm): 8192-column
+# chunks at 16 warps, the next chunk's dy and x loads issued first (ptxas: 64 registers, two programs an SM; not
+# yet measured).
+ROW_DOTS_SWEEP = ChunkedSweep(chunk=8192, num_warps=16, prefetch=True)
 
 
 @triton.jit
@@ -181,6 +185,15 @@ def load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_
 
 
 @triton.jit
+def load_row_values(VALUES, first_row, local, row_end, ENABLED: tl.constexpr):
+    """One fp32 value a row of a tile (the column-split backward's row sums), or zeros when not ENABLED."""
+    if ENABLED:
+        return tl.load(VALUES + first_row + local.to(tl.int64), mask=local < row_end, other=0.0)
+    else:
+        return tl.zeros(local.shape, dtype=tl.float32)
+
+
+@triton.jit
 def reload_backward_tile(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, rows, cols, mask):
     """A tile's dy (in fp32) and x loaded again after the row's reduction (RELOAD). ".ca" is the default caching
     spelled out: a load identical to the first would be merged with it, keeping the tile live across the
@@ -201,19 +214,55 @@ def weight_gradient_term(dy, normed, x_dtype: tl.constexpr, CASTING: tl.constexp
 
 
 @triton.jit
+def _rms_norm_row_dots_kernel(
+    DY, dy_row_stride, dy_col_stride,
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    RSTD, n_cols, offset,
+    ROW_DOT,
+    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """mean(dy * (offset + w) * x * rstd) of one row a program, swept once in CHUNK-column chunks (per-lane
+    sums, one reduction at the end): the row sum that the column-split backward (rows over
+    rowwise.MAX_HELD_COLUMNS) needs before any of its column blocks can write dx. PREFETCH: the next chunk's
+    loads go out before this chunk is used (first_sweep_step)."""
+    dy_row_stride = aligned(dy_row_stride, ALIGN)
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    dy_rows = DY + rows[:, None] * dy_row_stride
+    x_rows = X + rows[:, None] * x_row_stride
+    n_chunks = tl.cdiv(n_cols, CHUNK)
+    dots = tl.zeros((1, CHUNK), dtype=tl.float32)
+    dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    for i in range(n_chunks):
+        dy, dy_next = first_sweep_step(dy_rows, dy_col_stride, i, n_chunks, n_cols, dy_next, CHUNK, PREFETCH)
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
+        dnormed = dy.to(tl.float32)
+        if HAS_WEIGHT:
+            cols = chunk_columns(i, n_chunks, CHUNK, False)
+            w = tl.load(W + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+            dnormed = dnormed * w[None, :]
+        dots += dnormed * x.to(tl.float32)  # past the row's end x is 0
+    rstd = tl.load(RSTD + rows)
+    tl.store(ROW_DOT + rows, tl.sum(dots, axis=1) * rstd / n_cols)
+
+
+@triton.jit
 def rms_norm_backward_kernel(
     DY, dy_row_stride, dy_col_stride,
     DH, dh_row_stride, dh_col_stride,
     X, x_row_stride, x_col_stride,
     W, w_stride,
-    RSTD,
+    RSTD, ROW_DOT,
     dx_row_stride, dx_col_stride,
     dr_row_stride, dr_col_stride,
     rows_per_group, n_cols, offset, rows_per_program,
     DX, DR, DW_PARTIAL,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, PREFETCH: tl.constexpr, RELOAD: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ROW_DOTS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Persistent: each program walks ``rows_per_program`` rows of its group in BLOCK_M-row tiles. With
     PREFETCH the next tile's dy, x and rstd are loaded before the current tile is computed, hiding HBM latency.
@@ -224,7 +273,11 @@ def rms_norm_backward_kernel(
 
     With RELOAD (wide rows) only the weight-gradient accumulator stays in registers across a row's reduction:
     the weight is loaded with each tile, and dy, x and w are loaded again (L1/L2 hits) for dx and the
-    accumulator instead of being held (at 16384 columns the held tile spilled)."""
+    accumulator instead of being held (at 16384 columns the held tile spilled).
+
+    With ROW_DOTS (rows over rowwise.MAX_HELD_COLUMNS) a tile is BLOCK_N columns of its rows, the column block
+    of grid axis 2, and each row's mean(dy * w * x * rstd) comes from ROW_DOT (:func:`_rms_norm_row_dots_kernel`)
+    instead of the tile's own sum."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     dh_row_stride = aligned(dh_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
@@ -237,7 +290,7 @@ def rms_norm_backward_kernel(
     first_row = group * rows_per_group
     row_begin = program * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, rows_per_group)
-    cols = tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     if HAS_WEIGHT:
         if not RELOAD:
@@ -247,16 +300,19 @@ def rms_norm_backward_kernel(
         next_dy, next_x, next_rstd = load_backward_rows(
             DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
             first_row, row_begin + tl.arange(0, BLOCK_M), row_end, cols, col_mask)
+        next_dot = load_row_values(ROW_DOT, first_row, row_begin + tl.arange(0, BLOCK_M), row_end, ROW_DOTS)
     for start in range(0, rows_per_program, BLOCK_M):
         local = row_begin + start + tl.arange(0, BLOCK_M)
         if PREFETCH:
-            dy, x, rstd = next_dy, next_x, next_rstd
+            dy, x, rstd, dot = next_dy, next_x, next_rstd, next_dot
             next_dy, next_x, next_rstd = load_backward_rows(
                 DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, RSTD,
                 first_row, local + BLOCK_M, row_end, cols, col_mask)
+            next_dot = load_row_values(ROW_DOT, first_row, local + BLOCK_M, row_end, ROW_DOTS)
         else:
             dy, x, rstd = load_backward_rows(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
                                              RSTD, first_row, local, row_end, cols, col_mask)
+            dot = load_row_values(ROW_DOT, first_row, local, row_end, ROW_DOTS)
         rows = first_row + local.to(tl.int64)
         mask = (local < row_end)[:, None] & col_mask[None, :]
         if RELOAD and HAS_WEIGHT:
@@ -269,7 +325,10 @@ def rms_norm_backward_kernel(
             dnormed = dy * w[None, :]
         else:
             dnormed = dy
-        mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
+        if ROW_DOTS:
+            mean_dot = dot
+        else:
+            mean_dot = tl.sum(dnormed * normed, axis=1) / n_cols
         if RELOAD:
             dy_again, x_again = reload_backward_tile(DY, dy_row_stride, dy_col_stride, X, x_row_stride,
                                                      x_col_stride, rows, cols, mask)
@@ -341,19 +400,23 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
          weight.strides[0] if has_weight else 0), (float(eps), float(offset)),
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32")),
         {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight}, n_rows, n_cols,
-        tile_elements=_FORWARD_TILE, chunked_prefetch=_CHUNKED_PREFETCH, block_m=block_m, num_warps=num_warps,
+        tile_elements=_FORWARD_TILE, chunked=_CHUNKED, block_m=block_m, num_warps=num_warps,
         chunk=chunk, prefetch=prefetch)
     inputs = ("x", "weight") if has_weight else ("x",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 
 
-def backward_variant(tile_elements: int, prefetch: bool | None, reload: bool | None) -> tuple[bool, bool]:
+def backward_variant(tile_elements: int, prefetch: bool | None, reload: bool | None, *,
+                     reload_wide: bool) -> tuple[bool, bool]:
     """``(prefetch, reload)`` of a norm backward's tiles (shared by RMSNorm, fused add+RMSNorm and LayerNorm):
-    tiles up to ``_BACKWARD_TILE`` elements prefetch the next one; wider rows (one row a tile, 16384 columns
-    and up) reload their tile after the row's reduction instead of holding it (ptxas: the held 16384-column
-    tile spilled 88 / 64 / 244 bytes a thread in the three backwards). ``prefetch`` / ``reload`` override."""
+    tiles up to ``_BACKWARD_TILE`` elements prefetch the next one; wider tiles (one 16384-column row) do not,
+    and reload the tile after the row's reduction instead of holding it when the family asks (``reload_wide``).
+    H200, 4096 x 16384 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_bwd.txt): LayerNorm's reload at 8 warps
+    0.180 ms against 0.276 held (ptxas: its held tile spilled 244 bytes a thread); fused add+RMSNorm held at 16
+    warps 0.197 against 0.261 reloaded (its held tile spills 64 bytes, which cost less than the second read).
+    ``prefetch`` / ``reload`` override."""
     wide = tile_elements > _BACKWARD_TILE
-    return (not wide if prefetch is None else prefetch), (wide if reload is None else reload)
+    return (not wide if prefetch is None else prefetch), (wide and reload_wide if reload is None else reload)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -361,14 +424,15 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
                   casting_mode: str = "llama", num_sms: int, in_place: bool = True, groups: int = 1,
                   programs_per_sm: int | None = None, block_m: int | None = None,
                   num_warps: int | None = None, prefetch: bool | None = None,
-                  reload: bool | None = None) -> Plan:
+                  reload: bool | None = None, column_block: int | None = None) -> Plan:
     """Plan for ``dx, dw = rms_norm_backward(dy, x, weight, rstd)``.
 
     Inputs ``dy``, ``x``, ``rstd`` (and ``weight``); outputs ``dx`` (and ``dw`` with a weight). With
     ``in_place`` and dy of x's dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal
     blocks (a folded vmap batch) and dw has shape (groups, n_cols): one weight gradient per block.
-    ``programs_per_sm``, ``block_m``, ``num_warps``, ``prefetch`` and ``reload`` override the tuned launch
-    configuration (for tuning and tests).
+    Rows over ``rowwise.MAX_HELD_COLUMNS`` are split into column blocks after a first launch that sums each
+    row (:func:`liger_core.rowwise.backward_tiles`). ``programs_per_sm``, ``block_m``, ``num_warps``,
+    ``prefetch``, ``reload`` and ``column_block`` override the tuned launch configuration (for tuning and tests).
     """
     _check_inputs(x, weight, casting_mode)
     check_finite(offset, "offset")
@@ -378,32 +442,51 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     n_rows, n_cols, x_row_stride, x_col_stride = row_view(x, "x")
     _, _, dy_row_stride, dy_col_stride = row_view(dy, "grad_output")
     group_rows = rows_in_group(n_rows, groups)
-    block_m_default, block_n = tile(n_cols, group_rows, _BACKWARD_TILE)
-    block_m = block_m or block_m_default
-    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload)
-    grid = persistent_grid(group_rows, block_m, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM)
-    n_programs = grid.n_programs
+    tiles = backward_tiles(group_rows, n_cols, _BACKWARD_TILE, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM,
+                           ROW_DOTS_SWEEP, block_m=block_m, column_block=column_block)
+    prefetch, reload = backward_variant(tiles.block_m * tiles.block_n, prefetch, reload, reload_wide=False)
+    n_programs = tiles.grid.n_programs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
                                                        n_rows, n_cols)
     has_weight = weight is not None
     partial_shape = (groups, n_programs, n_cols) if has_weight else (1,)
     main = Launch(
         kernel=rms_norm_backward_kernel,
-        grid=(n_programs, groups),
+        grid=(n_programs, groups, tiles.column_blocks),
         args=(Buf("dy"), dy_row_stride, dy_col_stride,
               Buf("rstd"), 0, 0,  # no incoming residual gradient (a pointer never written: no XLA copy)
               Buf("x"), x_row_stride, x_col_stride,
               Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
-              Buf("rstd"), dx_row_stride, dx_col_stride, 0, 0,
-              group_rows, n_cols, float(offset), grid.rows_per_program),
+              Buf("rstd"), Buf("row_dot" if tiles.split else "rstd"), dx_row_stride, dx_col_stride, 0, 0,
+              group_rows, n_cols, float(offset), tiles.grid.rows_per_program),
         outputs=(dx, NewBuffer("dr_unused", (1,), x.dtype), NewBuffer("dw_partial", partial_shape, "float32")),
-        constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "CASTING": CASTING_MODES[casting_mode],
+        constexprs={"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "HAS_DH": False, "SEPARATE_DR": False, "PREFETCH": prefetch,
-                    "RELOAD": reload},
-        num_warps=num_warps or warps_for(block_m * block_n),
+                    "RELOAD": reload and not tiles.split, "ROW_DOTS": tiles.split},
+        num_warps=num_warps or warps_for(tiles.block_m * tiles.block_n),
     )
     inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")
+    launches = [main]
+    if tiles.split:
+        launches.insert(0, row_dots_launch(("dy", dy_row_stride, dy_col_stride), ("x", x_row_stride, x_col_stride),
+                                           weight, offset, n_rows, n_cols, tiles.row_sums))
     if not has_weight:
-        return Plan(inputs=inputs, launches=(main,), outputs=("dx",))
-    reduce = sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype)
-    return Plan(inputs=inputs, launches=(main, reduce), outputs=("dx", "dw"))
+        return Plan(inputs=inputs, launches=tuple(launches), outputs=("dx",))
+    launches.append(sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype))
+    return Plan(inputs=inputs, launches=tuple(launches), outputs=("dx", "dw"))
+
+
+def row_dots_launch(dy: tuple, x: tuple, weight: ArrayInfo | None, offset: float, n_rows: int, n_cols: int,
+                    sweep: ChunkedSweep) -> Launch:
+    """The column-split backward's first launch (RMSNorm's and fused add+RMSNorm's): each row's
+    mean(dy * (offset + w) * x * rstd) into a new fp32 buffer ``row_dot``. ``dy`` and ``x`` are (buffer name,
+    row stride, column stride); the rows are swept as ``sweep`` says."""
+    has_weight = weight is not None
+    return Launch(
+        kernel=_rms_norm_row_dots_kernel, grid=(n_rows,),
+        args=(Buf(dy[0]), dy[1], dy[2], Buf(x[0]), x[1], x[2],
+              Buf("weight" if has_weight else x[0]), weight.strides[0] if has_weight else 0,
+              Buf("rstd"), n_cols, float(offset)),
+        outputs=(NewBuffer("row_dot", (n_rows,), "float32"),),
+        constexprs={"CHUNK": sweep.chunk, "HAS_WEIGHT": has_weight, "PREFETCH": sweep.prefetch},
+        num_warps=sweep.num_warps)

@@ -30,40 +30,51 @@ def tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
     return max(1, min(16, elements // block_n, next_power_of_2(n_rows))), block_n
 
 
-# Rows wider than MAX_HELD_COLUMNS are swept by the forwards in WIDE_CHUNK-column chunks instead of held in
-# registers: a held row spilled from 32768 columns (LayerNorm's forward at 8 warps, 148 bytes a thread) and by
-# kilobytes at 65536 in all three (a 65536-column fp32 row is a whole SM's register file; sm_90 ptxas). No LLM is
-# wider than 16384 (Llama-3-405B), so the held-row kernels serve every model's hidden size.
+# Rows wider than MAX_HELD_COLUMNS are swept by the forwards in column chunks instead of held in registers: a
+# held row spilled from 32768 columns (LayerNorm's forward at 8 warps, 148 bytes a thread) and by kilobytes at
+# 65536 in all three (a 65536-column fp32 row is a whole SM's register file; sm_90 ptxas). No LLM is wider than
+# 16384 (Llama-3-405B), so the held-row kernels serve every model's hidden size.
 MAX_HELD_COLUMNS = 16384
-WIDE_CHUNK = 8192
 
 
-def forward_chunk(n_cols: int, chunk: int | None) -> int:
+@dataclass(frozen=True)
+class ChunkedSweep:
+    """A family's default launch of its chunked forward: ``chunk`` columns a step at ``num_warps``, with or
+    without the next chunk's load issued first (``prefetch``)."""
+    chunk: int
+    num_warps: int
+    prefetch: bool
+
+
+def forward_chunk(n_cols: int, chunk: int | None, default: int) -> int:
     """Columns a norm forward sweeps at a time: 0 to hold whole rows (the default up to MAX_HELD_COLUMNS),
-    else a power of two. ``chunk`` overrides (0 forces held rows; for tuning and tests)."""
+    else a power of two (the family's ``default`` past it). ``chunk`` overrides (0 forces held rows; for
+    tuning and tests)."""
     if chunk is None:
-        return WIDE_CHUNK if n_cols > MAX_HELD_COLUMNS else 0
+        return default if n_cols > MAX_HELD_COLUMNS else 0
     if chunk != 0 and (chunk < 16 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be 0 (whole rows) or a power of two of at least 16, got {chunk}")
     return chunk
 
 
 def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: tuple, outputs: tuple,
-                        constexprs: dict, n_rows: int, n_cols: int, *, tile_elements: int, chunked_prefetch: bool,
+                        constexprs: dict, n_rows: int, n_cols: int, *, tile_elements: int, chunked: ChunkedSweep,
                         block_m: int | None = None, num_warps: int | None = None, chunk: int | None = None,
                         prefetch: bool | None = None, full_row_flag: bool = False) -> Launch:
     """The launch of a norm forward: ``held_kernel`` on ``block_m`` whole rows a program (about
     ``tile_elements`` values, 4-8 warps), or past MAX_HELD_COLUMNS ``chunked_kernel`` on one row a program,
-    swept in chunks (:func:`forward_chunk`; with the family's ``chunked_prefetch``). Both kernels take
-    ``lead_args`` (buffers and strides), the held one then ``n_rows``, both ``n_cols`` and ``scalars``;
-    ``constexprs`` are common to both; ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``,
-    ``num_warps``, ``chunk`` and ``prefetch`` override (for tuning and tests)."""
-    chunk = forward_chunk(n_cols, chunk)
+    swept in chunks (the family's ``chunked`` defaults). Both kernels take ``lead_args`` (buffers and strides),
+    the held one then ``n_rows``, both ``n_cols`` and ``scalars``; ``constexprs`` are common to both;
+    ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``, ``num_warps``, ``chunk`` and ``prefetch``
+    override (for tuning and tests; a chunk other than the default gets warps_for(chunk))."""
+    default_chunk = chunk is None
+    chunk = forward_chunk(n_cols, chunk, chunked.chunk)
     if chunk:
+        warps = chunked.num_warps if default_chunk else warps_for(chunk)
         return Launch(
             kernel=chunked_kernel, grid=(n_rows,), args=(*lead_args, n_cols, *scalars), outputs=outputs,
-            constexprs={**constexprs, "CHUNK": chunk, "PREFETCH": chunked_prefetch if prefetch is None else prefetch},
-            num_warps=num_warps or warps_for(chunk))
+            constexprs={**constexprs, "CHUNK": chunk, "PREFETCH": chunked.prefetch if prefetch is None else prefetch},
+            num_warps=num_warps or warps)
     default_m, block_n = tile(n_cols, n_rows, tile_elements)
     block_m = block_m or default_m
     held = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}
@@ -93,6 +104,53 @@ def persistent_grid(group_rows: int, block_m: int, num_sms: int, programs_per_sm
     n_programs = max(1, min(num_sms * programs_per_sm, cdiv(group_rows, block_m)))
     rows_per_program = cdiv(cdiv(group_rows, n_programs), block_m) * block_m
     return PersistentGrid(cdiv(group_rows, rows_per_program), rows_per_program)
+
+
+# Rows over MAX_HELD_COLUMNS: the backward splits them into SPLIT_BLOCK_N-column blocks. Its dW accumulator, one
+# fp32 value a column for the rows a program walks, cannot stay in registers for a whole wide row (ptxas at 65536
+# columns: 1.1-1.4 KB of spills a thread in the three backwards). So a first launch sweeps each row once for the
+# row sums dx needs (two tensor reads), and the second, on (row programs, groups, column blocks), is the row-tile
+# backward on BLOCK_M x SPLIT_BLOCK_N tiles: the tile shape of the tuned 4096-column backward.
+SPLIT_BLOCK_N = 4096
+
+
+@dataclass(frozen=True)
+class BackwardTiles:
+    """How a norm backward covers a group of rows: ``block_m`` x ``block_n`` tiles walked by ``grid``'s
+    persistent programs, in each of ``column_blocks`` column blocks (more than one only when ``split``: the
+    row sums then come from a first launch, swept as ``row_sums`` says)."""
+    block_m: int
+    block_n: int
+    column_blocks: int
+    grid: PersistentGrid
+    split: bool
+    row_sums: ChunkedSweep | None
+
+
+def backward_tiles(group_rows: int, n_cols: int, tile_elements: int, num_sms: int, programs_per_sm: int,
+                   row_sums: ChunkedSweep, *, block_m: int | None = None,
+                   column_block: int | None = None) -> BackwardTiles:
+    """Whole-row tiles of about ``tile_elements`` values up to MAX_HELD_COLUMNS, column blocks of
+    SPLIT_BLOCK_N past it (the row sums swept as the family's ``row_sums``), one persistent program an SM in
+    all. ``column_block`` overrides (0: whole rows always; a power of two: split rows into blocks of that many
+    columns, and sweep them in chunks of as many for the row sums; for tuning and tests), as does
+    ``block_m``."""
+    if column_block is None:
+        column_block = SPLIT_BLOCK_N if n_cols > MAX_HELD_COLUMNS else 0
+    elif column_block != 0 and (column_block < 16 or column_block & (column_block - 1)):
+        raise ValueError(f"column_block must be 0 (whole rows) or a power of two of at least 16, got {column_block}")
+    if not column_block:
+        default_m, block_n = tile(n_cols, group_rows, tile_elements)
+        block_m = block_m or default_m
+        return BackwardTiles(block_m, block_n, 1, persistent_grid(group_rows, block_m, num_sms, programs_per_sm),
+                             False, None)
+    block_m = block_m or max(1, min(16, tile_elements // column_block, next_power_of_2(group_rows)))
+    column_blocks = cdiv(n_cols, column_block)
+    programs_per_block = max(1, num_sms * programs_per_sm // column_blocks)
+    if column_block != SPLIT_BLOCK_N:
+        row_sums = ChunkedSweep(column_block, warps_for(column_block), row_sums.prefetch)
+    return BackwardTiles(block_m, column_block, column_blocks,
+                         persistent_grid(group_rows, block_m, programs_per_block, 1), True, row_sums)
 
 
 def dense_rows(n_rows: int, n_cols: int, row_stride: int, col_stride: int) -> bool:

@@ -1,8 +1,10 @@
 """GPU sweep of the LayerNorm and fused add+RMSNorm backward launch configurations (prefetch, programs per SM,
-tile height, warps; at rows over 8192 columns also reloading the tile after the row's reduction or holding it),
-timed with CUDA graphs, against the copy floor. Prints one table; the default configuration is marked with *.
+tile height, warps; at rows over 8192 columns also reloading the tile after the row's reduction or holding it;
+past rowwise.MAX_HELD_COLUMNS the column-split backward's block width x tile height x prefetch, beside whole
+rows), timed with CUDA graphs, against the copy floor. Prints one table; the default configuration is marked
+with *.
 
-    python3 scripts/tune_norm_backward.py [--shapes 16384x4096 65536x4096 4096x16384] [--out FILE]
+    python3 scripts/tune_norm_backward.py [--shapes 16384x4096 65536x4096 4096x16384 4096x65536] [--out FILE]
 """
 
 import argparse
@@ -12,10 +14,12 @@ import torch
 import triton.testing
 
 from liger_core import fused_add_rms_norm, layer_norm
+from liger_core.rowwise import MAX_HELD_COLUMNS
 from liger_torch._launch import info, num_sms, run_plan
 
 SHAPES = [(16384, 4096), (65536, 4096), (4096, 16384)]
-SHORT = {"prefetch": "pf", "programs_per_sm": "per_sm", "block_m": "bm", "num_warps": "warps", "reload": "rl"}
+SHORT = {"prefetch": "pf", "programs_per_sm": "per_sm", "block_m": "bm", "num_warps": "warps", "reload": "rl",
+         "column_block": "cb"}
 COPY_BYTES_PER_S = 4.25e12  # the H200's measured copy bandwidth (benchmarks/results, ceilings)
 
 
@@ -53,6 +57,22 @@ def fused_add_case(n, h):
     return plan, dict(dy=dy, dh=dh, h=hsum, weight=w, rstd=rstd), 5 * n * h * 2
 
 
+def row_tile_configs(h):
+    reloads = (False, True) if h > 8192 else (False,)
+    return [dict(prefetch=p, programs_per_sm=s, block_m=bm, num_warps=w, reload=rl)
+            for p, s, bm, w, rl in itertools.product((False, True), (1, 2),
+                                                     sorted({max(1, 4096 // h), max(1, 8192 // h)}), (8, 16),
+                                                     reloads)]
+
+
+def split_configs():
+    """Column blocks (the row sums then swept in chunks of the block's width) x tile height x prefetch, and the
+    whole-row tile it replaced."""
+    return [dict(column_block=0)] + [dict(column_block=cb, block_m=bm, prefetch=p)
+                                     for cb, bm, p in itertools.product((2048, 4096, 8192), (1, 2, 4), (False, True))
+                                     if cb * bm <= 16384]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="also write the table to this file")
@@ -66,11 +86,7 @@ def main():
                                                    ("fused_add_rms_norm", fused_add_case)), shapes):
         plan, inputs, nbytes = make(n, h)
         floor = nbytes / COPY_BYTES_PER_S * 1e3
-        reloads = (False, True) if h > 8192 else (False,)
-        configs = [{}] + [dict(prefetch=p, programs_per_sm=s, block_m=bm, num_warps=w, reload=rl)
-                          for p, s, bm, w, rl in itertools.product((False, True), (1, 2),
-                                                                   sorted({max(1, 4096 // h), max(1, 8192 // h)}),
-                                                                   (8, 16), reloads)]
+        configs = [{}] + (split_configs() if h > MAX_HELD_COLUMNS else row_tile_configs(h))
         for overrides in configs:
             label = "*default" if not overrides else " ".join(f"{SHORT[k]}={int(v)}" for k, v in overrides.items())
             try:

@@ -313,6 +313,66 @@ def test_backward_launch_variants_agree(prefetch, block_m, reload, with_dh, devi
     assert_close(dw, want[4], torch.float32, "dw", scale=3.0)
 
 
+# The column-split backward of rows over rowwise.MAX_HELD_COLUMNS; ``column_block`` forces it on small rows (row
+# sums swept in chunks of as many columns): several blocks with the last partial, one block a tile row, tiles of
+# four rows, a folded leading axis, a single row; and the default blocks just past the threshold.
+SPLIT = [((37, 123), 32, None), ((5, 77), 16, 1), ((9, 300), 64, 4), ((2, 3, 40), 16, None), ((1, 17), 16, None),
+         ((2, 16400), None, None)]
+
+
+def column_split_grads(x, r, w, gy, dh, mode, offset, column_block, block_m, dtype, in_place=False):
+    from liger_core import fused_add_rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    params = {} if w is None else {"weight": w}
+    _, h, rstd = run_plan(core.forward_plan(info(x), info(r), None if w is None else info(w), eps=1e-6,
+                                            offset=offset, casting_mode=mode), x=x, residual=r, **params)
+    plan = core.backward_plan(info(gy), None if dh is None else info(dh), info(h), None if w is None else info(w),
+                              x_dtype=dtype, residual_dtype=dtype, offset=offset, casting_mode=mode, num_sms=3,
+                              in_place=in_place, block_m=block_m, column_block=column_block)
+    assert plan.launches[0].constexprs.get("CHUNK"), "the row sums come first"
+    return run_plan(plan, dy=gy, h=h, rstd=rstd, **params, **({} if dh is None else {"dh": dh}))
+
+
+@pytest.mark.parametrize("shape,column_block,block_m", SPLIT)
+@pytest.mark.parametrize("mode,offset", MODES[:2])
+@pytest.mark.parametrize("with_dh,has_weight", [(True, True), (False, True), (True, False)])
+def test_column_split_backward_against_reference(shape, column_block, block_m, mode, offset, with_dh, has_weight,
+                                                 device, seed):
+    """fp32 gradients of the column-split backward against the float64 reference, with and without an incoming
+    gradient of h; dx and dresidual written over dy and dh (the row sums read dy in a launch of their own)."""
+    x, r, w, gy, gh = draw(seed, shape, torch.float32, device=device)
+    w = w if has_weight else None
+    dh = gh.clone() if with_dh else None
+    grads = column_split_grads(x, r, w, gy.clone(), dh, mode, offset, column_block, block_m, "float32",
+                               in_place=True)
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, offset, mode), x.double(), r.double(),
+               None if w is None else w.double(), gy.double(), gh.double() if with_dh else None)
+    assert_close(grads[0], want[2], torch.float32, "dx")
+    assert_close(grads[1], want[3], torch.float32, "dresidual")
+    if has_weight:
+        assert_close(grads[2], want[4], torch.float32, "dw", scale=3.0)
+    else:
+        assert len(grads) == 2
+
+
+@pytest.mark.parametrize("shape,column_block,block_m", SPLIT[:3])
+def test_column_split_backward_half_precision_matches_whole_rows(shape, column_block, block_m, device, seed):
+    """bf16 gradients of the column-split backward within a rounding of the whole-row backward's (the same
+    arithmetic but the row sums' order)."""
+    from liger_core import fused_add_rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, r, w, gy, gh = draw(seed, shape, torch.bfloat16, device=device)
+    split = column_split_grads(x, r, w, gy, gh, "llama", 0.0, column_block, block_m, "bfloat16")
+    _, h, rstd = run_plan(core.forward_plan(info(x), info(r), info(w), eps=1e-6), x=x, residual=r, weight=w)
+    whole = run_plan(core.backward_plan(info(gy), info(gh), info(h), info(w), x_dtype="bfloat16",
+                                        residual_dtype="bfloat16", num_sms=3, in_place=False, column_block=0),
+                     dy=gy, dh=gh, h=h, weight=w, rstd=rstd)
+    for got, want, name in zip(split, whole, ("dx", "dresidual", "dw")):
+        assert_close(got, want.double(), torch.bfloat16, name)
+
+
 # Rows swept in chunks: the forward of rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces it on small rows:
 # several chunks with the last partial, whole chunks only, one column, one chunk wider than the row.
 CHUNKED = [((7, 123), 16), ((3, 64), 16), ((2, 1), 16), ((5, 1000), 256), ((2, 3, 40), 64)]

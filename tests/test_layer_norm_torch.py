@@ -246,6 +246,60 @@ def test_backward_launch_variants_agree(prefetch, block_m, reload, device, seed)
     assert_close(db, db_ref, torch.float32, "db", scale=3.0)
 
 
+# The column-split backward of rows over rowwise.MAX_HELD_COLUMNS; ``column_block`` forces it on small rows (row
+# sums swept in chunks of as many columns): several blocks with the last partial, one block a tile row, tiles of
+# four rows, a folded leading axis, a single row; and the default blocks just past the threshold.
+SPLIT = [((37, 123), 32, None), ((5, 77), 16, 1), ((9, 300), 64, 4), ((2, 3, 40), 16, None), ((1, 17), 16, None),
+         ((2, 16400), None, None)]
+PARAMS = {"weight_bias": (True, True), "weight": (True, False), "bias": (False, True), "none": (False, False)}
+
+
+def column_split_grads(x, w, b, dy, column_block, block_m, in_place=False):
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    params = {k: v for k, v in (("weight", w), ("bias", b)) if v is not None}
+    _, mean, rstd = run_plan(core.forward_plan(info(x), *(None if t is None else info(t) for t in (w, b)), eps=1e-5),
+                             x=x, **params)
+    plan = core.backward_plan(info(dy), info(x), *(None if t is None else info(t) for t in (w, b)), num_sms=3,
+                              in_place=in_place, block_m=block_m, column_block=column_block)
+    assert plan.launches[0].constexprs.get("CHUNK"), "the row sums come first"
+    params.pop("bias", None)
+    return run_plan(plan, dy=dy, x=x, mean=mean, rstd=rstd, **params)
+
+
+@pytest.mark.parametrize("shape,column_block,block_m", SPLIT)
+@pytest.mark.parametrize("params", list(PARAMS))
+def test_column_split_backward_against_reference(shape, column_block, block_m, params, device, seed):
+    """fp32 gradients of the column-split backward against the float64 reference; dx written over dy (the row
+    sums read dy in a launch of their own, before any block writes over it)."""
+    has_w, has_b = PARAMS[params]
+    x, w, b, dy = draw(seed, shape, torch.float32, device=device)
+    w, b = (w if has_w else None), (b if has_b else None)
+    grads = column_split_grads(x, w, b, dy.clone(), column_block, block_m, in_place=True)
+    _, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), dy.double(), x, w, b)
+    want = [("dx", dx_ref, 1.0)] + [("dw", dw_ref, 3.0)] * has_w + [("db", db_ref, 3.0)] * has_b
+    assert len(grads) == len(want)
+    for got, (name, ref, scale) in zip(grads, want):
+        assert_close(got, ref, torch.float32, name, scale=scale)
+
+
+@pytest.mark.parametrize("shape,column_block,block_m", SPLIT[:3])
+def test_column_split_backward_half_precision_matches_whole_rows(shape, column_block, block_m, device, seed):
+    """bf16 gradients of the column-split backward within a rounding of the whole-row backward's (the same
+    arithmetic but the row sums' order)."""
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, w, b, dy = draw(seed, shape, torch.bfloat16, device=device)
+    split = column_split_grads(x, w, b, dy, column_block, block_m)
+    _, mean, rstd = run_plan(core.forward_plan(info(x), info(w), info(b), eps=1e-5), x=x, weight=w, bias=b)
+    whole = run_plan(core.backward_plan(info(dy), info(x), info(w), info(b), num_sms=3, in_place=False,
+                                        column_block=0), dy=dy, x=x, weight=w, mean=mean, rstd=rstd)
+    for got, want, name in zip(split, whole, ("dx", "dw", "db")):
+        assert_close(got, want.double(), torch.bfloat16, name)
+
+
 # Rows swept in chunks: the forward of rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces it on small rows:
 # several chunks with the last partial, whole chunks only, one column, one chunk wider than the row.
 CHUNKED = [((7, 123), 16), ((3, 64), 16), ((2, 1), 16), ((5, 1000), 256), ((2, 3, 40), 64)]

@@ -231,6 +231,63 @@ def test_backward_launch_variants_agree(prefetch, block_m, reload, device, seed)
     assert_close(dw, dw_ref, torch.float32, "dw", scale=3.0)
 
 
+# The column-split backward of rows over rowwise.MAX_HELD_COLUMNS; ``column_block`` forces it on small rows (row
+# sums swept in chunks of as many columns): several blocks with the last partial, one block a tile row, tiles of
+# four rows, a folded leading axis, a single row; and the default blocks just past the threshold.
+SPLIT = [((37, 123), 32, None), ((5, 77), 16, 1), ((9, 300), 64, 4), ((2, 3, 40), 16, None), ((1, 17), 16, None),
+         ((2, 16400), None, None)]
+
+
+def column_split_grads(core, x, w, dy, mode, offset, column_block, block_m, in_place=False):
+    from liger_torch._launch import info, run_plan
+
+    _, rstd = run_plan(core.forward_plan(info(x), None if w is None else info(w), eps=1e-6, offset=offset,
+                                         casting_mode=mode), x=x, **({} if w is None else {"weight": w}))
+    plan = core.backward_plan(info(dy), info(x), None if w is None else info(w), offset=offset, casting_mode=mode,
+                              num_sms=3, in_place=in_place, block_m=block_m, column_block=column_block)
+    assert plan.launches[0].constexprs.get("CHUNK"), "the row sums come first"
+    return run_plan(plan, dy=dy, x=x, rstd=rstd, **({} if w is None else {"weight": w}))
+
+
+@pytest.mark.parametrize("shape,column_block,block_m", SPLIT)
+@pytest.mark.parametrize("mode,offset", MODES)
+@pytest.mark.parametrize("has_weight", [True, False])
+def test_column_split_backward_against_reference(shape, column_block, block_m, mode, offset, has_weight, device,
+                                                 seed):
+    """fp32 gradients of the column-split backward against the float64 reference; dx written over dy (the row
+    sums read dy in a launch of their own, before any block writes over it)."""
+    from liger_core import rms_norm as core
+
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
+    w = (torch.randn(shape[-1], generator=gen) + 1).to(device) if has_weight else None
+    grads = column_split_grads(core, x, w, dy.clone(), mode, offset, column_block, block_m, in_place=True)
+    _, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, offset, mode), x, w, dy.double())
+    assert_close(grads[0], dx_ref, torch.float32, "dx")
+    if has_weight:
+        assert_close(grads[1], dw_ref, torch.float32, "dw", scale=3.0)
+
+
+@pytest.mark.parametrize("shape,column_block,block_m", SPLIT[:3])
+@pytest.mark.parametrize("mode,offset", MODES[:2])
+def test_column_split_backward_half_precision_matches_whole_rows(shape, column_block, block_m, mode, offset, device,
+                                                                 seed):
+    """bf16 gradients of the column-split backward within a rounding of the whole-row backward's (the same
+    arithmetic but the row sums' order)."""
+    from liger_core import rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(device, torch.bfloat16)
+    split = column_split_grads(core, x, w, dy, mode, offset, column_block, block_m)
+    _, rstd = run_plan(core.forward_plan(info(x), info(w), eps=1e-6, offset=offset, casting_mode=mode), x=x, weight=w)
+    whole = run_plan(core.backward_plan(info(dy), info(x), info(w), offset=offset, casting_mode=mode, num_sms=3,
+                                        in_place=False, column_block=0), dy=dy, x=x, weight=w, rstd=rstd)
+    for got, want, name in zip(split, whole, ("dx", "dw")):
+        assert_close(got, want.double(), torch.bfloat16, name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recompute_norm_outputs_frees_the_output_and_gives_the_same_grads(dtype, device, seed):
     """Inside recompute_norm_outputs(), the linear layers after a norm save a recipe instead of the norm's output
@@ -280,9 +337,9 @@ def test_recompute_norm_outputs_refuses_an_input_modified_in_place(device, seed)
 
 @pytest.mark.parametrize("casting_mode", ["llama", "gemma"])
 def test_wide_row_reload_is_bitwise_the_held_tile(casting_mode, device, seed):
-    """Wide rows reload their tile after the row's reduction instead of holding it (``reload``, the default
-    above 8192 columns): the same arithmetic in the same order, so bf16 gradients are bitwise those of the held
-    tile, llama's rounding of the normalised x included."""
+    """A wide row may reload its tile after the row's reduction instead of holding it (``reload``; LayerNorm's
+    default above 8192 columns, an option here): the same arithmetic in the same order, so bf16 gradients are
+    bitwise those of the held tile, llama's rounding of the normalised x included."""
     from liger_core import rms_norm as core
     from liger_torch._launch import info, run_plan
 

@@ -76,12 +76,13 @@ def cases():
         "kl_div backward": (kl_div.backward_plan(scalar, logits, logits, reduction="sum"),
                             {"grad_output": scalar, "target": logits}),
         "jsd": (jsd.forward_plan(logits, logits), {"student": logits, "teacher": logits}),
-        # wide rows: one 16384-column row a tile, reloaded after the row's reduction instead of held
-        "rms_norm backward, 16384 columns": (rms_norm.backward_plan(wide, wide, wide_w, num_sms=132),
+        # wide rows: one 16384-column row a tile, reloaded after the row's reduction instead of held (LayerNorm's
+        # default; RMSNorm's held tile spills less than a reload costs, so theirs is asked for)
+        "rms_norm backward, 16384 columns": (rms_norm.backward_plan(wide, wide, wide_w, num_sms=132, reload=True),
                                              {"dy": wide, "x": wide, "weight": wide_w, "rstd": rows}),
         "fused_add_rms_norm backward, 16384 columns": (
             fused_add_rms_norm.backward_plan(wide, wide, wide, wide_w, x_dtype="bfloat16",
-                                             residual_dtype="bfloat16", num_sms=132),
+                                             residual_dtype="bfloat16", num_sms=132, reload=True),
             {"dy": wide, "dh": wide, "h": wide, "weight": wide_w, "rstd": rows}),
         "layer_norm backward, 16384 columns": (
             layer_norm.backward_plan(wide, wide, wide_w, wide_w, num_sms=132),
@@ -94,6 +95,16 @@ def cases():
         "fused_add_rms_norm forward, 65536 columns": (fused_add_rms_norm.forward_plan(widest, widest, widest_w,
                                                                                       eps=1e-6),
                                                       {"x": widest, "residual": widest, "weight": widest_w}),
+        # rows over 16384 columns: the backward's row sums, then 4096-column blocks (a whole-row tile spilled)
+        "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132),
+                                             {"dy": widest, "x": widest, "weight": widest_w, "rstd": rows}),
+        "layer_norm backward, 65536 columns": (
+            layer_norm.backward_plan(widest, widest, widest_w, widest_w, num_sms=132),
+            {"dy": widest, "x": widest, "weight": widest_w, "bias": widest_w, "mean": rows, "rstd": rows}),
+        "fused_add_rms_norm backward, 65536 columns": (
+            fused_add_rms_norm.backward_plan(widest, widest, widest, widest_w, x_dtype="bfloat16",
+                                             residual_dtype="bfloat16", num_sms=132),
+            {"dy": widest, "dh": widest, "h": widest, "weight": widest_w, "rstd": rows}),
         "sum_partials, weight gradient": (
             Plan(inputs=("partials",), launches=(sum_partials_launch("partials", "dw", 1, 132, 4096, "bfloat16"),),
                  outputs=("dw",)),

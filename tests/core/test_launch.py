@@ -92,6 +92,36 @@ def test_norm_forwards_hold_rows_up_to_16384_columns_and_chunk_wider_ones(family
             _norm_forward_kernel(family, 64, chunk=chunk)
 
 
+def _norm_backward_kernels(family, n_cols, column_block=None):
+    """The kernels a norm backward plan (bf16 rows of ``n_cols``, with a weight) launches."""
+    from liger_core import fused_add_rms_norm, layer_norm, rms_norm
+
+    x, w = ArrayInfo.contiguous((2, n_cols), "bfloat16"), ArrayInfo.contiguous((n_cols,), "bfloat16")
+    plan = {"rms_norm": lambda: rms_norm.backward_plan(x, x, w, num_sms=132, column_block=column_block),
+            "layer_norm": lambda: layer_norm.backward_plan(x, x, w, None, num_sms=132, column_block=column_block),
+            "fused_add_rms_norm": lambda: fused_add_rms_norm.backward_plan(
+                x, None, x, w, x_dtype="bfloat16", residual_dtype="bfloat16", num_sms=132,
+                column_block=column_block)}[family]()
+    return [launch.kernel.fn.__name__ for launch in plan.launches], plan.launches
+
+
+@pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+def test_norm_backwards_split_rows_over_16384_columns_into_column_blocks(family):
+    """Whole-row tiles up to 16384 columns; past them a row-sums launch, then 4096-column blocks on a third grid
+    axis; ``column_block`` overrides either way, and must be 0 or a power of two."""
+    kernels, _ = _norm_backward_kernels(family, 16384)
+    assert len(kernels) == 2 and "row_" not in kernels[0], kernels
+    kernels, launches = _norm_backward_kernels(family, 16385)
+    assert len(kernels) == 3 and "row_" in kernels[0], kernels
+    assert launches[1].grid[2] == 5 and launches[1].constexprs["BLOCK_N"] == 4096
+    assert launches[1].grid[0] * launches[1].grid[2] <= 132  # one persistent program an SM
+    assert "row_" in _norm_backward_kernels(family, 64, column_block=16)[0][0]
+    assert "row_" not in _norm_backward_kernels(family, 65536, column_block=0)[0][0]
+    for column_block in (24, 8, -16):
+        with pytest.raises(ValueError, match="column_block must be 0"):
+            _norm_backward_kernels(family, 64, column_block=column_block)
+
+
 def test_rows_whose_columns_span_2_31_elements_do_not_fold():
     """The kernels index a row's columns in int32 (col * col_stride): a transposed view of a huge array, its
     columns strided by the row count, is refused (the torch frontend copies it; a plan raises, naming it)

@@ -125,3 +125,23 @@ def test_wide_norm_forwards_sweep_in_chunks_without_spilling(tmp_path):
     for r in rows:
         assert r["spill_store_bytes"] == 0 and r["v4_loads"] > 0 and r["v4_stores"] > 0, r
         assert r["narrow_loads"] <= 1, r
+
+
+WIDE_SPLIT_BACKWARDS = {"rms_norm backward, 65536 columns", "layer_norm backward, 65536 columns",
+                        "fused_add_rms_norm backward, 65536 columns"}
+
+
+def test_wide_norm_backwards_split_columns_without_spilling(tmp_path):
+    """Over 16384 columns the norm backwards sum each row in one chunked sweep, then walk 4096-column blocks of
+    the rows (a whole-row tile and its dW accumulator spilled 1.1-1.4 KB a thread at 65536 columns): no launch
+    spills, and the row sums and the blocks load 16 bytes at a time."""
+    rows = [r for r in compile_all(tmp_path, *sorted(WIDE_SPLIT_BACKWARDS), "--report")
+            if r["case"] in WIDE_SPLIT_BACKWARDS]
+    assert {r["case"] for r in rows} == WIDE_SPLIT_BACKWARDS
+    for case in WIDE_SPLIT_BACKWARDS:
+        kernels = [r["kernel"] for r in rows if r["case"] == case]
+        assert "row_" in kernels[0] and "backward" in kernels[1], kernels  # row sums, then the blocks
+    for r in rows:
+        assert r["spill_store_bytes"] == 0, r
+        if "sum_partial" not in r["kernel"]:
+            assert r["v4_loads"] > 0, r

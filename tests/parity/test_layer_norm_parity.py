@@ -11,7 +11,8 @@ import liger_torch
 from helpers import assert_parity, as_numpy, to_torch
 
 
-# 9000: a wide row (the backward reloads its tile); 16400: over 16384 columns (the forward sweeps it in chunks;
+# 9000: a wide row (one 16384-wide tile); 16400: over 16384 columns (the forward sweeps it in chunks, the
+# backward splits it into column blocks;
 # one case: the interpreter takes ~15 s for it)
 CASES = [(shape, params, dtype) for shape in [(1, 64), (7, 123), (2, 3, 200), (3, 9000)]
          for params in ["scale_bias", "scale", "none"] for dtype in ["float32", "bfloat16", "float16"]]
