@@ -6,7 +6,7 @@ benchmark's own cases (``benchmarks.harness.run_case``) of one kernel's 4096 x 4
 one process, then each provider again after a spacer allocation of various sizes held while it runs (where its
 inputs and outputs land in memory), and prints every point's median:
 
-    [LIGER_BENCH_FLUSH=read] python3 scripts/order_probe.py [--kernel rms_norm] [--out FILE]
+    [LIGER_BENCH_FLUSH=write] python3 scripts/order_probe.py [--kernel rms_norm] [--out FILE]
 """
 
 import argparse
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
              if c.pass_ == "fwd" and c.shape == args.shape and c.framework == "torch"}
     ceilings = harness.measure_ceilings()
     out(f"{torch.cuda.get_device_name()}  {args.kernel} fwd {args.shape}  copy {ceilings.get('copy_GBps')} GB/s  "
-        f"L2 flush: {os.environ.get('LIGER_BENCH_FLUSH', 'write')}")
+        f"L2 flush: {os.environ.get('LIGER_BENCH_FLUSH', 'read')}")
     out("-- sequence (one process, the benchmark's run_case each time)")
     for i, name in enumerate(SEQUENCE):
         p = harness.run_case(cases[name], ceilings)
