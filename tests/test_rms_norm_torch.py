@@ -268,6 +268,23 @@ def test_column_split_backward_against_reference(shape, column_block, block_m, m
         assert_close(grads[1], dw_ref, torch.float32, "dw", scale=3.0)
 
 
+def test_column_split_backward_keeps_one_weight_gradient_per_group(device, seed):
+    """With ``groups`` (a folded vmap batch) each group's rows give their own weight gradient, split or not."""
+    from liger_core import rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(2, 9, 100, generator=gen).to(device) for _ in range(2))
+    w = (torch.rand(100, generator=gen) + 0.5).to(device)
+    _, rstd = run_plan(core.forward_plan(info(x), info(w), eps=1e-6), x=x, weight=w)
+    dx, dw = run_plan(core.backward_plan(info(dy), info(x), info(w), num_sms=3, in_place=False, groups=2,
+                                         column_block=32), dy=dy, x=x, weight=w, rstd=rstd)
+    for g in range(2):
+        _, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x[g], w, dy[g].double())
+        assert_close(dx[g], dx_ref, torch.float32, "dx")
+        assert_close(dw[g], dw_ref, torch.float32, "dw", scale=3.0)
+
+
 @pytest.mark.parametrize("shape,column_block,block_m", SPLIT[:3])
 @pytest.mark.parametrize("mode,offset", MODES[:2])
 def test_column_split_backward_half_precision_matches_whole_rows(shape, column_block, block_m, mode, offset, device,
