@@ -26,7 +26,7 @@ from .launch import (
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import (
     backward_variant, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk, load_row_values,
-    reload_backward_tile,
+    reload_backward_tile, row_sums_step,
 )
 from .rowwise import (
     ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
@@ -189,14 +189,10 @@ def _layer_norm_row_sums_kernel(
     dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     for i in range(n_chunks):
-        dy, dy_next = first_sweep_step(dy_rows, dy_col_stride, i, n_chunks, n_cols, dy_next, CHUNK, PREFETCH)
-        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
-        dxhat = dy.to(tl.float32)
-        if HAS_WEIGHT:
-            cols = chunk_columns(i, n_chunks, CHUNK, False)
-            dxhat = dxhat * tl.load(W + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        dxhat, x, dy_next, x_next = row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, 0.0, i,
+                                                  n_chunks, n_cols, dy_next, x_next, CHUNK, HAS_WEIGHT, PREFETCH)
         # past the row's end dy is 0, so dxhat is too and the centred x there adds nothing
-        dots += dxhat * ((x.to(tl.float32) - mean[:, None]) * rstd[:, None])
+        dots += dxhat * ((x - mean[:, None]) * rstd[:, None])
         sums += dxhat
     tl.store(ROW_DOT + rows, tl.sum(dots, axis=1) / n_cols * rstd)
     tl.store(ROW_MEAN + rows, tl.sum(sums, axis=1) / n_cols * rstd)

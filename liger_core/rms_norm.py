@@ -214,6 +214,21 @@ def weight_gradient_term(dy, normed, x_dtype: tl.constexpr, CASTING: tl.constexp
 
 
 @triton.jit
+def row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, offset, i, n_chunks, n_cols, dy_next,
+                  x_next, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Step ``i`` of a row-sums sweep over dy and x (the column-split backwards'): ``(dy * (offset + w), x)`` in
+    fp32, zeros past the row's end, and what to carry (first_sweep_step)."""
+    dy, dy_next = first_sweep_step(dy_rows, dy_col_stride, i, n_chunks, n_cols, dy_next, CHUNK, PREFETCH)
+    x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
+    dnormed = dy.to(tl.float32)
+    if HAS_WEIGHT:
+        cols = chunk_columns(i, n_chunks, CHUNK, False)
+        w = tl.load(W + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+        dnormed = dnormed * w[None, :]
+    return dnormed, x.to(tl.float32), dy_next, x_next
+
+
+@triton.jit
 def _rms_norm_row_dots_kernel(
     DY, dy_row_stride, dy_col_stride,
     X, x_row_stride, x_col_stride,
@@ -237,14 +252,10 @@ def _rms_norm_row_dots_kernel(
     dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     for i in range(n_chunks):
-        dy, dy_next = first_sweep_step(dy_rows, dy_col_stride, i, n_chunks, n_cols, dy_next, CHUNK, PREFETCH)
-        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
-        dnormed = dy.to(tl.float32)
-        if HAS_WEIGHT:
-            cols = chunk_columns(i, n_chunks, CHUNK, False)
-            w = tl.load(W + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
-            dnormed = dnormed * w[None, :]
-        dots += dnormed * x.to(tl.float32)  # past the row's end x is 0
+        dnormed, x, dy_next, x_next = row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, offset,
+                                                    i, n_chunks, n_cols, dy_next, x_next, CHUNK, HAS_WEIGHT,
+                                                    PREFETCH)
+        dots += dnormed * x  # past the row's end x is 0
     rstd = tl.load(RSTD + rows)
     tl.store(ROW_DOT + rows, tl.sum(dots, axis=1) * rstd / n_cols)
 
