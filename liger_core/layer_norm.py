@@ -8,7 +8,8 @@ instead, twice: Welford's running moments of x less its first value, then y.
 
 Forward saves mean and rstd (fp32, one per row). Backward: one pass per row block gives dx (optionally written
 over dy) and per-program fp32 partial sums of dw and db, each reduced in a fixed order by
-:mod:`liger_core.reduce` (no atomics: bitwise deterministic). Weight and bias are both optional.
+:mod:`liger_core.reduce` (no atomics: bitwise deterministic); rows over ``rowwise.MAX_HELD_COLUMNS`` are summed
+in a first sweep, then walked in column blocks. Weight and bias are both optional.
 """
 
 from __future__ import annotations
