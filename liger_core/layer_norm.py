@@ -142,10 +142,12 @@ def _layer_norm_chunked_forward_kernel(
     for i in range(n_chunks):
         x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
         mask = (chunk_columns(i, n_chunks, CHUNK, False) < n_cols)[None, :]
-        xf = x.to(tl.float32) - shift[:, None]
+        # a lane past the row's end takes its own running mean: delta = 0 leaves both moments as they are (one
+        # select, and the two updates stay FMAs: 7 instructions an element, not 11)
+        xf = tl.where(mask, x.to(tl.float32) - shift[:, None], lane_mean)
         delta = xf - lane_mean
-        lane_mean += tl.where(mask, delta * (1.0 / (i + 1)), 0.0)  # a lane's (i + 1)-th value
-        lane_m2 += tl.where(mask, delta * (xf - lane_mean), 0.0)
+        lane_mean += delta * (1.0 / (i + 1))  # a lane's (i + 1)-th value
+        lane_m2 += delta * (xf - lane_mean)
     last = n_cols - (n_chunks - 1) * CHUNK  # columns in the last chunk: its lanes past them saw one value less
     lane_count = (n_chunks - 1 + (tl.arange(0, CHUNK) < last).to(tl.int32)).to(tl.float32)[None, :]
     mean, m2, _ = tl.reduce((lane_mean, lane_m2, lane_count), 1, _merge_moments)
