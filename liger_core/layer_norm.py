@@ -27,7 +27,7 @@ from .launch import (
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import (
     backward_variant, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk, load_row_values,
-    reload_backward_tile, row_sums_step,
+    reload_backward_tile, row_sums_pointers, row_sums_step,
 )
 from .rowwise import (
     ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
@@ -181,9 +181,7 @@ def _layer_norm_row_sums_kernel(
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    dy_rows = DY + rows[:, None] * dy_row_stride
-    x_rows = X + rows[:, None] * x_row_stride
+    rows, dy_rows, x_rows = row_sums_pointers(DY, dy_row_stride, X, x_row_stride)
     mean = tl.load(MEAN + rows)
     rstd = tl.load(RSTD + rows)
     n_chunks = tl.cdiv(n_cols, CHUNK)

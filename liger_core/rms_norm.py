@@ -215,6 +215,13 @@ def weight_gradient_term(dy, normed, x_dtype: tl.constexpr, CASTING: tl.constexp
 
 
 @triton.jit
+def row_sums_pointers(DY, dy_row_stride, X, x_row_stride):
+    """A row-sums sweep's row (this program's, as a (1,) index) and its dy and x rows."""
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    return rows, DY + rows[:, None] * dy_row_stride, X + rows[:, None] * x_row_stride
+
+
+@triton.jit
 def row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, offset, i, n_chunks, n_cols, dy_next,
                   x_next, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr):
     """Step ``i`` of a row-sums sweep over dy and x (the column-split backwards'): ``(dy * (offset + w), x)`` in
@@ -245,9 +252,7 @@ def _rms_norm_row_dots_kernel(
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    dy_rows = DY + rows[:, None] * dy_row_stride
-    x_rows = X + rows[:, None] * x_row_stride
+    rows, dy_rows, x_rows = row_sums_pointers(DY, dy_row_stride, X, x_row_stride)
     n_chunks = tl.cdiv(n_cols, CHUNK)
     dots = tl.zeros((1, CHUNK), dtype=tl.float32)
     dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
