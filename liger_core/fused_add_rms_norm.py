@@ -202,7 +202,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     group_rows = rows_in_group(n_rows, groups)
     tiles = backward_tiles(group_rows, n_cols, _BACKWARD_TILE, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM,
                            ROW_DOTS_SWEEP, block_m=block_m, column_block=column_block)
-    prefetch, reload = backward_variant(tiles.block_m * tiles.block_n, prefetch, reload, reload_wide=False)
+    prefetch, reload = backward_variant(tiles, prefetch, reload, reload_wide=False)
     n_programs = tiles.grid.n_programs
     dx, *dx_strides = gradient_output("dx", h.shape, x_dtype, "dy" if in_place else None, dy, n_rows, n_cols)
     if separate_residual_grad:
@@ -224,7 +224,7 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
         outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
         constexprs={"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad,
-                    "PREFETCH": prefetch, "RELOAD": reload and not tiles.split, "ROW_DOTS": tiles.split},
+                    "PREFETCH": prefetch, "RELOAD": reload, "ROW_DOTS": tiles.split},
         num_warps=num_warps or warps_for(tiles.block_m * tiles.block_n),
     )
     inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)

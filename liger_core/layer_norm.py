@@ -407,7 +407,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
     tiles = backward_tiles(group_rows, n_cols, _BACKWARD_TILE, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM,
                            _ROW_SUMS, block_m=block_m, column_block=column_block)
     block_m, block_n = tiles.block_m, tiles.block_n
-    prefetch, reload = backward_variant(block_m * block_n, prefetch, reload, reload_wide=not tiles.split)
+    prefetch, reload = backward_variant(tiles, prefetch, reload, reload_wide=True)
     n_programs = tiles.grid.n_programs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
                                                        n_rows, n_cols)
@@ -423,7 +423,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
         outputs=(dx, NewBuffer("dw_partial", partial_shape if has_weight else (1,), "float32"),
                  NewBuffer("db_partial", partial_shape if has_bias else (1,), "float32")),
         constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias,
-                    "PREFETCH": prefetch, "RELOAD": reload and not tiles.split, "ROW_SUMS": tiles.split},
+                    "PREFETCH": prefetch, "RELOAD": reload, "ROW_SUMS": tiles.split},
         num_warps=num_warps or _backward_warps(block_m * block_n, reload),
     )
     inputs = ("dy", "x") + (("weight",) if has_weight else ()) + ("mean", "rstd")

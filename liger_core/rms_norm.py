@@ -28,7 +28,7 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rowwise import (
-    ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
+    BackwardTiles, ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -423,17 +423,19 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 
 
-def backward_variant(tile_elements: int, prefetch: bool | None, reload: bool | None, *,
+def backward_variant(tiles: BackwardTiles, prefetch: bool | None, reload: bool | None, *,
                      reload_wide: bool) -> tuple[bool, bool]:
     """``(prefetch, reload)`` of a norm backward's tiles (shared by RMSNorm, fused add+RMSNorm and LayerNorm):
     tiles up to ``_BACKWARD_TILE`` elements prefetch the next one; wider tiles (one 16384-column row) do not,
     and reload the tile after the row's reduction instead of holding it when the family asks (``reload_wide``).
+    Column-split tiles never reload: their row sums come from the first launch, so nothing is held across one.
     H200, 4096 x 16384 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_bwd.txt): LayerNorm's reload at 8 warps
     0.180 ms against 0.276 held (ptxas: its held tile spilled 244 bytes a thread); fused add+RMSNorm held at 16
     warps 0.197 against 0.261 reloaded (its held tile spills 64 bytes, which cost less than the second read).
     ``prefetch`` / ``reload`` override."""
-    wide = tile_elements > _BACKWARD_TILE
-    return (not wide if prefetch is None else prefetch), (wide and reload_wide if reload is None else reload)
+    wide = tiles.block_m * tiles.block_n > _BACKWARD_TILE
+    reload = wide and reload_wide if reload is None else reload
+    return (not wide if prefetch is None else prefetch), reload and not tiles.split
 
 
 @functools.lru_cache(maxsize=1024)
@@ -461,7 +463,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     group_rows = rows_in_group(n_rows, groups)
     tiles = backward_tiles(group_rows, n_cols, _BACKWARD_TILE, num_sms, programs_per_sm or _BACKWARD_PROGRAMS_PER_SM,
                            ROW_DOTS_SWEEP, block_m=block_m, column_block=column_block)
-    prefetch, reload = backward_variant(tiles.block_m * tiles.block_n, prefetch, reload, reload_wide=False)
+    prefetch, reload = backward_variant(tiles, prefetch, reload, reload_wide=False)
     n_programs = tiles.grid.n_programs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
                                                        n_rows, n_cols)
@@ -479,7 +481,7 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
         outputs=(dx, NewBuffer("dr_unused", (1,), x.dtype), NewBuffer("dw_partial", partial_shape, "float32")),
         constexprs={"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "CASTING": CASTING_MODES[casting_mode],
                     "HAS_WEIGHT": has_weight, "HAS_DH": False, "SEPARATE_DR": False, "PREFETCH": prefetch,
-                    "RELOAD": reload and not tiles.split, "ROW_DOTS": tiles.split},
+                    "RELOAD": reload, "ROW_DOTS": tiles.split},
         num_warps=num_warps or warps_for(tiles.block_m * tiles.block_n),
     )
     inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")

@@ -52,9 +52,14 @@ def forward_chunk(n_cols: int, chunk: int | None, default: int) -> int:
     tuning and tests)."""
     if chunk is None:
         return default if n_cols > MAX_HELD_COLUMNS else 0
-    if chunk != 0 and (chunk < 16 or chunk & (chunk - 1)):
-        raise ValueError(f"chunk must be 0 (whole rows) or a power of two of at least 16, got {chunk}")
-    return chunk
+    return _columns_override(chunk, "chunk")
+
+
+def _columns_override(value: int, name: str) -> int:
+    """A column-count override: 0 (whole rows) or a power of two of at least 16, or a ValueError naming it."""
+    if value != 0 and (value < 16 or value & (value - 1)):
+        raise ValueError(f"{name} must be 0 (whole rows) or a power of two of at least 16, got {value}")
+    return value
 
 
 def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: tuple, outputs: tuple,
@@ -123,8 +128,11 @@ class BackwardTiles:
     block_n: int
     column_blocks: int
     grid: PersistentGrid
-    split: bool
     row_sums: ChunkedSweep | None
+
+    @property
+    def split(self) -> bool:
+        return self.row_sums is not None
 
 
 def backward_tiles(group_rows: int, n_cols: int, tile_elements: int, num_sms: int, programs_per_sm: int,
@@ -137,20 +145,19 @@ def backward_tiles(group_rows: int, n_cols: int, tile_elements: int, num_sms: in
     ``block_m``."""
     if column_block is None:
         column_block = SPLIT_BLOCK_N if n_cols > MAX_HELD_COLUMNS else 0
-    elif column_block != 0 and (column_block < 16 or column_block & (column_block - 1)):
-        raise ValueError(f"column_block must be 0 (whole rows) or a power of two of at least 16, got {column_block}")
+    _columns_override(column_block, "column_block")
     if not column_block:
         default_m, block_n = tile(n_cols, group_rows, tile_elements)
         block_m = block_m or default_m
         return BackwardTiles(block_m, block_n, 1, persistent_grid(group_rows, block_m, num_sms, programs_per_sm),
-                             False, None)
+                             None)
     block_m = block_m or max(1, min(16, tile_elements // column_block, next_power_of_2(group_rows)))
     column_blocks = cdiv(n_cols, column_block)
     programs_per_block = max(1, num_sms * programs_per_sm // column_blocks)
     if column_block != SPLIT_BLOCK_N:
         row_sums = ChunkedSweep(column_block, warps_for(column_block), row_sums.prefetch)
     return BackwardTiles(block_m, column_block, column_blocks,
-                         persistent_grid(group_rows, block_m, programs_per_block, 1), True, row_sums)
+                         persistent_grid(group_rows, block_m, programs_per_block, 1), row_sums)
 
 
 def dense_rows(n_rows: int, n_cols: int, row_stride: int, col_stride: int) -> bool:
