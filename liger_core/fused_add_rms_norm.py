@@ -23,8 +23,8 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, ROW_DOTS_SWEEP, _check_inputs, backward_variant, first_sweep_start, first_sweep_step, load_chunk,
-    load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel, row_dots_launch,
+    CASTING_MODES, ROW_DOTS_SWEEP, _check_inputs, backward_variant, chunked_rows, first_sweep_start,
+    first_sweep_step, load_chunk, load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel, row_dots_launch,
 )
 from .rowwise import (
     ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
@@ -82,22 +82,22 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     X, x_row_stride, x_col_stride,
     R, r_row_stride, r_col_stride,
     W, w_stride,
-    n_cols, eps, offset,
+    n_rows, n_cols, eps, offset,
     Y, H, RSTD,
-    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, ROWS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
+    """ROWS rows a program (w read once for all), for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
     over CHUNK-column chunks writes h and sums its squares (PREFETCH: with the next chunk's loads in flight,
     as RMSNorm's), a second reads h back (from L2) and writes y."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     r_row_stride = aligned(r_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    rows = chunked_rows(n_rows, ROWS)
     h_rows = H + rows[:, None] * n_cols
     h_dtype = H.dtype.element_ty
     n_chunks = tl.cdiv(n_cols, CHUNK)
-    squares = tl.zeros((1, CHUNK), dtype=tl.float32)
+    squares = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
     x_rows = X + rows[:, None] * x_row_stride
     r_rows = R + rows[:, None] * r_row_stride
     x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)

@@ -26,8 +26,8 @@ from .launch import (
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import (
-    backward_variant, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk, load_row_values,
-    reload_backward_tile, row_sums_pointers, row_sums_step,
+    backward_variant, chunked_rows, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk,
+    load_row_values, reload_backward_tile, row_sums_pointers, row_sums_step,
 )
 from .rowwise import (
     ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
@@ -119,12 +119,12 @@ def _layer_norm_chunked_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
     B, b_stride,
-    n_cols, eps,
+    n_rows, n_cols, eps,
     Y, MEAN, RSTD,
-    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS). The first sweep
+    """ROWS rows a program (w and b read once for all), for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS). The first sweep
     keeps Welford's running mean and squared deviations per lane (no cancellation, and no reduction until the
     row's end), merged across lanes once (PREFETCH: with the next chunk's load in flight, as RMSNorm's); the
     second reads x again (from L2) and writes y. Both work on x less the row's first value: a row far from zero
@@ -132,12 +132,12 @@ def _layer_norm_chunked_forward_kernel(
     mean 2000 times it), which the held-row kernel's refinement step removes."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    rows = chunked_rows(n_rows, ROWS)
     x_rows = X + rows[:, None] * x_row_stride
     shift = tl.load(X + rows * x_row_stride).to(tl.float32)
     n_chunks = tl.cdiv(n_cols, CHUNK)
-    lane_mean = tl.zeros((1, CHUNK), dtype=tl.float32)
-    lane_m2 = tl.zeros((1, CHUNK), dtype=tl.float32)
+    lane_mean = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
+    lane_m2 = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
     x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     for i in range(n_chunks):
         x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
@@ -150,6 +150,7 @@ def _layer_norm_chunked_forward_kernel(
         lane_m2 += delta * (xf - lane_mean)
     last = n_cols - (n_chunks - 1) * CHUNK  # columns in the last chunk: its lanes past them saw one value less
     lane_count = (n_chunks - 1 + (tl.arange(0, CHUNK) < last).to(tl.int32)).to(tl.float32)[None, :]
+    lane_count = tl.broadcast_to(lane_count, (ROWS, CHUNK))
     mean, m2, _ = tl.reduce((lane_mean, lane_m2, lane_count), 1, _merge_moments)
     rstd = tl.rsqrt(m2 / n_cols + eps)
     tl.store(MEAN + rows, shift + mean)

@@ -109,6 +109,14 @@ def _rms_norm_forward_kernel(
 
 
 @triton.jit
+def chunked_rows(n_rows, ROWS: tl.constexpr):
+    """The ROWS rows of a chunked sweep's program, as a column vector. The last program's rows past the end are
+    the last row again: computed once more and stored with the same values, so the sweeps need no row mask."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    return tl.minimum(rows, n_rows - 1)
+
+
+@triton.jit
 def load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr):
     """Step ``i`` of a chunked sweep over a (1, n_cols) row: (1, CHUNK) values in the row's dtype, zeros past its
     end (a step past the last chunk loads nothing: the first sweeps prefetch one step ahead)."""
@@ -141,21 +149,21 @@ def first_sweep_step(rows_ptr, col_stride, i, n_chunks, n_cols, pending, CHUNK: 
 def _rms_norm_chunked_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
-    n_cols, eps, offset,
+    n_rows, n_cols, eps, offset,
     Y, RSTD,
-    CHUNK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, ROWS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """One row a program, for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
+    """ROWS rows a program (w read once for all), for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
     over CHUNK-column chunks sums the squares (per lane, one reduction at the end), a second reads x again
     (from L2) and writes y, rounded as the held-row kernel rounds. PREFETCH: the first sweep, which reads from
     DRAM, keeps the next chunk's load in flight (first_sweep_step)."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    rows = chunked_rows(n_rows, ROWS)
     x_rows = X + rows[:, None] * x_row_stride
     n_chunks = tl.cdiv(n_cols, CHUNK)
-    squares = tl.zeros((1, CHUNK), dtype=tl.float32)
+    squares = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
     x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
     for i in range(n_chunks):
         x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)

@@ -40,10 +40,12 @@ MAX_HELD_COLUMNS = 16384
 @dataclass(frozen=True)
 class ChunkedSweep:
     """A family's default launch of its chunked forward: ``chunk`` columns a step at ``num_warps``, with or
-    without the next chunk's load issued first (``prefetch``)."""
+    without the next chunk's load issued first (``prefetch``), on ``rows`` rows a program (the parameters read once
+    for all of them)."""
     chunk: int
     num_warps: int
     prefetch: bool
+    rows: int = 1
 
 
 def forward_chunk(n_cols: int, chunk: int | None, default: int) -> int:
@@ -67,19 +69,21 @@ def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: 
                         block_m: int | None = None, num_warps: int | None = None, chunk: int | None = None,
                         prefetch: bool | None = None, full_row_flag: bool = False) -> Launch:
     """The launch of a norm forward: ``held_kernel`` on ``block_m`` whole rows a program (about
-    ``tile_elements`` values, 4-8 warps), or past MAX_HELD_COLUMNS ``chunked_kernel`` on one row a program,
-    swept in chunks (the family's ``chunked`` defaults). Both kernels take ``lead_args`` (buffers and strides),
-    the held one then ``n_rows``, both ``n_cols`` and ``scalars``; ``constexprs`` are common to both;
+    ``tile_elements`` values, 4-8 warps), or past MAX_HELD_COLUMNS ``chunked_kernel`` on ``block_m`` rows a
+    program (ROWS), swept in chunks (the family's ``chunked`` defaults). Both kernels take ``lead_args`` (buffers
+    and strides), then ``n_rows``, ``n_cols`` and ``scalars``; ``constexprs`` are common to both;
     ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``, ``num_warps``, ``chunk`` and ``prefetch``
     override (for tuning and tests; a chunk other than the default gets warps_for(chunk))."""
     default_chunk = chunk is None
     chunk = forward_chunk(n_cols, chunk, chunked.chunk)
     if chunk:
         warps = chunked.num_warps if default_chunk else warps_for(chunk)
+        rows = block_m or chunked.rows
         return Launch(
-            kernel=chunked_kernel, grid=(n_rows,), args=(*lead_args, n_cols, *scalars), outputs=outputs,
-            constexprs={**constexprs, "CHUNK": chunk, "PREFETCH": chunked.prefetch if prefetch is None else prefetch},
-            num_warps=num_warps or warps)
+            kernel=chunked_kernel, grid=(cdiv(n_rows, rows),), args=(*lead_args, n_rows, n_cols, *scalars),
+            outputs=outputs, num_warps=num_warps or warps,
+            constexprs={**constexprs, "CHUNK": chunk, "ROWS": rows,
+                        "PREFETCH": chunked.prefetch if prefetch is None else prefetch})
     default_m, block_n = tile(n_cols, n_rows, tile_elements)
     block_m = block_m or default_m
     held = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}

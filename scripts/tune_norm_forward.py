@@ -63,9 +63,9 @@ def _cases(n, h):
 def _configs(h):
     """Launch overrides to try at hidden size ``h``: rows a program x warps for held rows (forced with chunk=0
     past MAX_HELD_COLUMNS, one row at 16 and 32 warps: the old default spilled there), and from 8192 columns
-    chunk widths x warps, and the first sweep's prefetch on and off at 16 warps (the chunked sweep is the
-    default only past MAX_HELD_COLUMNS; at 16384 LayerNorm's held row takes 174 registers a thread, one 8-warp
-    program an SM, so the sweep may serve it better)."""
+    chunk widths x warps, the first sweep's prefetch on and off at 16 warps, and 2 or 4 rows a program (the
+    chunked sweep is the default only past MAX_HELD_COLUMNS; at 16384 LayerNorm's held row takes 174 registers a
+    thread, one 8-warp program an SM, so the sweep may serve it better)."""
     warps = WARPS + ((32,) if h >= 16384 else ())  # wide rows: 32 warps keep LayerNorm at ~51 registers
     if h <= MAX_HELD_COLUMNS:
         held = [dict(block_m=bm, num_warps=w) for bm, w in itertools.product(ROWS_PER_PROGRAM, warps)]
@@ -74,6 +74,8 @@ def _configs(h):
     chunked = [dict(chunk=c, num_warps=w) for c, w in itertools.product(CHUNKS, (8, 16, 32)) if c <= h]
     chunked += [dict(chunk=c, num_warps=16, prefetch=p) for c, p in itertools.product(CHUNKS, (False, True))
                 if c <= h]  # the family's default prefetch appears twice: the repeat shows the timer's noise
+    chunked += [dict(chunk=c, block_m=m, num_warps=w) for c, m, w in itertools.product(CHUNKS[:2], (2, 4), (8, 16))
+                if c <= h]  # several rows a program: the parameters read once for them (from L2, once a row)
     return held + (chunked if h >= 8192 else [])
 
 

@@ -408,6 +408,25 @@ def test_chunked_forward_against_reference(shape, chunk, mode, offset, dtype, de
             assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("shape,chunk", [((7, 123), 16), ((5, 1000), 256)])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed):
+    """``block_m`` rows a program (w loaded once for them): 7 and 5 rows leave the last program short, its extra
+    rows the last one again (h stored twice with the same bits); every row against the reference."""
+    from liger_core import fused_add_rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, r, w, _, _ = draw(seed, shape, torch.bfloat16, device=device)
+    plan = core.forward_plan(info(x), info(r), info(w), eps=1e-6, chunk=chunk, block_m=rows)
+    assert plan.launches[0].grid == (-(-shape[0] // rows),)
+    y, h, rstd = run_plan(plan, x=x, residual=r, weight=w)
+    y_ref, h_ref = reference(x, r, w, 1e-6, 0.0, "llama")
+    slack = SLACK.get(torch.bfloat16, 1.0)
+    assert_close(y, y_ref, torch.bfloat16, "y", scale=slack)
+    assert_close(h, h_ref, torch.bfloat16, "h", scale=slack)
+    assert_close(rstd, torch.rsqrt(h_ref.pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
+
 def test_rows_over_16384_columns_through_autograd(device, seed):
     """16400 columns: the forward sweeps three 8192-column chunks, the last partial (tests/core/test_launch.py
     checks the kernel choice); the op through autograd against the reference."""

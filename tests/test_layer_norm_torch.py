@@ -328,6 +328,24 @@ def test_chunked_forward_against_reference(shape, chunk, params, dtype, device, 
     assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
 
+
+@pytest.mark.parametrize("shape,chunk", [((7, 123), 16), ((5, 1000), 256)])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed):
+    """``block_m`` rows a program (w and b loaded once for them): 7 and 5 rows leave the last program short, its
+    extra rows the last one again; every row against the reference."""
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, w, b, _ = draw(seed, shape, torch.bfloat16, device=device)
+    plan = core.forward_plan(info(x), info(w), info(b), eps=1e-5, chunk=chunk, block_m=rows)
+    assert plan.launches[0].grid == (-(-shape[0] // rows),)
+    y, mean, rstd = run_plan(plan, x=x, weight=w, bias=b)
+    xd = x.double()
+    assert_close(y, reference(x, w, b, 1e-5), torch.bfloat16, "y")
+    assert_close(mean, xd.mean(-1), torch.float32, "mean")
+    assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
+
 def test_rows_over_16384_columns_through_autograd(device, seed):
     """16400 columns: the forward sweeps three 8192-column chunks, the last partial (tests/core/test_launch.py
     checks the kernel choice); the op through autograd against the reference."""

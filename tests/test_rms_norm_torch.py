@@ -398,6 +398,24 @@ def test_chunked_forward_against_reference(shape, chunk, mode, offset, dtype, de
             assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("shape,chunk", [((7, 123), 16), ((5, 1000), 256)])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed):
+    """``block_m`` rows a program (w loaded once for them): 7 and 5 rows leave the last program short, its extra
+    rows the last one again; every row against the reference."""
+    from liger_core import rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 3).to(device, torch.bfloat16)
+    w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(device, torch.bfloat16)
+    plan = core.forward_plan(info(x), info(w), eps=1e-6, chunk=chunk, block_m=rows)
+    assert plan.launches[0].grid == (-(-shape[0] // rows),)
+    y, rstd = run_plan(plan, x=x, weight=w)
+    assert_close(y, reference(x, w, 1e-6, 0.0, "llama"), torch.bfloat16, "y")
+    assert_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
+
 def test_rows_over_16384_columns_through_autograd(device, seed):
     """16400 columns: the forward sweeps three 8192-column chunks, the last partial (tests/core/test_launch.py
     checks the kernel choice); the op through autograd against the reference."""
