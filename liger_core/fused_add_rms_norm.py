@@ -24,7 +24,8 @@ from .launch import (
 from .reduce import sum_partials_launch
 from .rms_norm import (
     CASTING_MODES, ROW_DOTS_SWEEP, _check_inputs, backward_variant, chunked_rows, first_sweep_start,
-    first_sweep_step, load_chunk, load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel, row_dots_launch,
+    first_sweep_step, load_chunk, load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel,
+    row_dots_launch,
 )
 from .rowwise import (
     ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
@@ -87,9 +88,9 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     CHUNK: tl.constexpr, ROWS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """ROWS rows a program (w read once for all), for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
-    over CHUNK-column chunks writes h and sums its squares (PREFETCH: with the next chunk's loads in flight,
-    as RMSNorm's), a second reads h back (from L2) and writes y."""
+    """ROWS rows a program (w read once for all), for rows too wide to hold in registers
+    (rowwise.MAX_HELD_COLUMNS): a first sweep over CHUNK-column chunks writes h and sums its squares (PREFETCH:
+    with the next chunk's loads in flight, as RMSNorm's), a second reads h back (from L2) and writes y."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     r_row_stride = aligned(r_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)

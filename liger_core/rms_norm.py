@@ -154,10 +154,10 @@ def _rms_norm_chunked_forward_kernel(
     CHUNK: tl.constexpr, ROWS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """ROWS rows a program (w read once for all), for rows too wide to hold in registers (rowwise.MAX_HELD_COLUMNS): a first sweep
-    over CHUNK-column chunks sums the squares (per lane, one reduction at the end), a second reads x again
-    (from L2) and writes y, rounded as the held-row kernel rounds. PREFETCH: the first sweep, which reads from
-    DRAM, keeps the next chunk's load in flight (first_sweep_step)."""
+    """ROWS rows a program (w read once for all), for rows too wide to hold in registers
+    (rowwise.MAX_HELD_COLUMNS): a first sweep over CHUNK-column chunks sums the squares (per lane, one reduction
+    at the end), a second reads x again (from L2) and writes y, rounded as the held-row kernel rounds. PREFETCH:
+    the first sweep, which reads from DRAM, keeps the next chunk's load in flight (first_sweep_step)."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     rows = chunked_rows(n_rows, ROWS)
