@@ -127,9 +127,10 @@ def _layer_norm_chunked_forward_kernel(
     """ROWS rows a program (w and b read once for all), for rows too wide to hold in registers
     (rowwise.MAX_HELD_COLUMNS). The first sweep keeps Welford's running mean and squared deviations per lane (no
     cancellation, and no reduction until the row's end), merged across lanes once (PREFETCH: with the next
-    chunk's load in flight, as RMSNorm's); the second reads x again (from L2) and writes y. Both work on x less the row's first value: a row far from zero
-    would otherwise leave the running means the rounding error of their own size (~1e-4 of the spread for a
-    mean 2000 times it), which the held-row kernel's refinement step removes."""
+    chunk's load in flight, as RMSNorm's); the second reads x again (from L2) and writes y. Both work on x less
+    the row's first value: a row far from zero would otherwise leave the running means the rounding error of
+    their own size (~1e-4 of the spread for a mean 2000 times it), which the held-row kernel's refinement step
+    removes."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
     rows = chunked_rows(n_rows, ROWS)
