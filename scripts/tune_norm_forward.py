@@ -42,6 +42,7 @@ COPY_BYTES_PER_S = 4.25e12  # the H200's measured copy bandwidth (benchmarks/res
 ROWS_PER_PROGRAM = (1, 2, 4)
 WARPS = (4, 8, 16)
 CHUNKS = (4096, 8192, 16384)  # columns a step of the chunked sweep (rows over MAX_HELD_COLUMNS)
+FAMILIES = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
 
 
 def _cases(n, h):
@@ -101,8 +102,10 @@ def _timer(kind):
     return lambda fn: statistics.median(time_torch(fn))
 
 
-def sweep(n, h, out, timer):
+def sweep(n, h, out, timer, families=None):
     for name, plan, inputs, nbytes, reference in _cases(n, h):
+        if families is not None and name not in families:
+            continue
         floor = nbytes / COPY_BYTES_PER_S * 1e3
         configs = [{}] + _configs(h)
         for overrides in configs:
@@ -156,6 +159,7 @@ def main(argv=None) -> int:
                         help="CUDA-graph replays (default) or the benchmark suite's timer")
     parser.add_argument("--ops", action="store_true", help="time whole RMSNorm ops (ours, Liger-Kernel's) instead")
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES, help="norms to sweep")
     args = parser.parse_args(argv)
     timer = _timer(args.timer)
 
@@ -165,7 +169,10 @@ def main(argv=None) -> int:
         out(f"{'kernel':<20}{'shape':<13}{'config':<22}{'ms':>8}{'of floor':>10}")
         for shape in args.shapes:
             n, h = (int(v) for v in shape.split("x"))
-            (sweep_ops if args.ops else sweep)(n, h, out, timer)
+            if args.ops:
+                sweep_ops(n, h, out, timer)
+            else:
+                sweep(n, h, out, timer, args.families)
 
     return gpu_tables.run("tune_norm_forward", args.out, tables)
 
