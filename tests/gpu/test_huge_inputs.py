@@ -121,7 +121,7 @@ WIDE_CHECK = [0, WIDE_BOUNDARY - 1, WIDE_BOUNDARY, WIDE_BOUNDARY + 1]
 
 @pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
 def test_chunked_norm_forwards_past_2_31_elements(family):
-    """The chunked forwards (one row a program, rows over 16384 columns) at 32770 x 65536: every row written
+    """The chunked forwards (rows over 16384 columns) at 32770 x 65536: every row written
     and finite, the rows around the boundary against the reference."""
     from test_fused_add_rms_norm_torch import reference as fa_reference
     from test_layer_norm_torch import reference as ln_reference
