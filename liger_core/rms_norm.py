@@ -8,8 +8,8 @@ Casting modes (what is computed in which precision):
 - ``none``: mean of squares in fp32, the rest in x's dtype.
 
 Forward saves rstd (fp32, one per row); rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in two passes of
-column chunks instead of held in registers (a few rows a program: ``rowwise.ChunkedSweep``). Backward: one pass per row block gives dx
-(optionally written over dy) and per-program fp32 partial sums of dw, reduced in a fixed order by
+column chunks instead of held in registers (``rowwise.ChunkedSweep`` rows a program). Backward: one pass per row
+block gives dx (optionally written over dy) and per-program fp32 partial sums of dw, reduced in a fixed order by
 :mod:`liger_core.reduce`; rows over ``MAX_HELD_COLUMNS`` are summed in a first sweep, then walked in column
 blocks (:func:`liger_core.rowwise.backward_tiles`).
 Without a weight, y = x * rstd and ``offset`` is unused.
