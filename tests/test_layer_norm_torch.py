@@ -329,6 +329,29 @@ def test_chunked_forward_against_reference(shape, chunk, params, dtype, device, 
 
 
 
+@pytest.mark.parametrize("outlier", [1e4, -3e3])
+def test_chunked_forward_outliers(outlier, device, seed):
+    """Outliers of 1e3-1e4 spreads (LLM activations have such channels) in a quarter of the chunked forward's
+    lanes, at their first value (chunk 0, so also the row's shift), and in one lane's later values; fp32
+    statistics and y against float64. The mean's error is measured against the row's spread: the sums run over
+    values of the outliers' size, whose rounding (~1e-3 at 1e4) no fp32 mean of ~200 escapes, and y sees the
+    mean only relative to the spread."""
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 1000, generator=gen, dtype=torch.float64)
+    x[:, 0:64:4] = outlier * (1 + torch.rand(3, 16, generator=gen, dtype=torch.float64))
+    x[:, 1 + 256 * 2] = -outlier
+    x = x.float().to(device)
+    w, b = (torch.rand(1000, generator=gen) + 0.5).to(device), torch.randn(1000, generator=gen).to(device)
+    y, mean, rstd = run_plan(core.forward_plan(info(x), info(w), info(b), eps=1e-5, chunk=256), x=x, weight=w,
+                             bias=b)
+    xd = x.double()
+    assert_close(y, reference(xd, w.double(), b.double(), 1e-5), torch.float32, "y")
+    assert_close(mean, xd.mean(-1), torch.float32, "mean", magnitude=xd.std(-1))
+    assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
+
 @pytest.mark.parametrize("shape,chunk", [((7, 123), 16), ((5, 1000), 256)])
 @pytest.mark.parametrize("rows", [2, 4])
 def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed):
