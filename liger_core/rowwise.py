@@ -74,6 +74,8 @@ def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: 
     and strides), then ``n_rows``, ``n_cols`` and ``scalars``; ``constexprs`` are common to both;
     ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``, ``num_warps``, ``chunk`` and ``prefetch``
     override (for tuning and tests; a chunk other than the default gets warps_for(chunk))."""
+    if block_m is not None and (block_m < 1 or block_m & (block_m - 1)):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
     default_chunk = chunk is None
     chunk = forward_chunk(n_cols, chunk, chunked.chunk)
     if chunk:

@@ -68,14 +68,15 @@ def test_mode_is_decided_once():
     assert runtime.interpreting() is liger_core.INTERPRET
 
 
-def _norm_forward_kernel(family, n_cols, chunk=None):
+def _norm_forward_kernel(family, n_cols, chunk=None, block_m=None):
     """The kernel a norm forward plan (bf16 rows of ``n_cols``, no parameters) launches."""
     from liger_core import fused_add_rms_norm, layer_norm, rms_norm
 
     x = ArrayInfo.contiguous((2, n_cols), "bfloat16")
-    plan = {"rms_norm": lambda: rms_norm.forward_plan(x, None, eps=1e-6, chunk=chunk),
-            "layer_norm": lambda: layer_norm.forward_plan(x, None, None, eps=1e-5, chunk=chunk),
-            "fused_add_rms_norm": lambda: fused_add_rms_norm.forward_plan(x, x, None, eps=1e-6, chunk=chunk)}[family]()
+    o = dict(chunk=chunk, block_m=block_m)
+    plan = {"rms_norm": lambda: rms_norm.forward_plan(x, None, eps=1e-6, **o),
+            "layer_norm": lambda: layer_norm.forward_plan(x, None, None, eps=1e-5, **o),
+            "fused_add_rms_norm": lambda: fused_add_rms_norm.forward_plan(x, x, None, eps=1e-6, **o)}[family]()
     return plan.launches[0].kernel.fn.__name__
 
 
@@ -90,6 +91,9 @@ def test_norm_forwards_hold_rows_up_to_16384_columns_and_chunk_wider_ones(family
     for chunk in (24, 8, -16):
         with pytest.raises(ValueError, match="chunk must be 0"):
             _norm_forward_kernel(family, 64, chunk=chunk)
+    for block_m in (3, 0, -2):  # rows a program, held or chunked: a tl.arange length
+        with pytest.raises(ValueError, match="block_m must be a power of two"):
+            _norm_forward_kernel(family, 64, chunk=16, block_m=block_m)
 
 
 def _norm_backward_kernels(family, n_cols, column_block=None):
