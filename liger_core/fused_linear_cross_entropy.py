@@ -22,7 +22,7 @@ from .launch import ArrayInfo, ITEMSIZE, Plan, check_float, check_nonempty, next
 # Bytes of chunk logits (in the activations' dtype) the loop may hold at once without an fp32 accumulator (a
 # forward alone, or bf16 accumulation): 512 MiB is 2048 rows of a 128256-token vocabulary in bf16. With one,
 # :func:`chunking` lets a chunk grow to half its bytes, or all rows go as one chunk. Measured on an H200 at
-# H=4096, V=128256 (scripts/tune_flce.py, docs/perf-notes.md, 2026-12-04): N=8192 one chunk 35.2 ms against
+# H=4096, V=128256 (scripts/tune_flce.py, docs/perf-log.md, 2026-12-04): N=8192 one chunk 35.2 ms against
 # 40.0 in 2048-row chunks; N=16384 4096-row chunks 77.1 against 80.4; peak 3.07-3.13 GB in every case.
 DEFAULT_WORKSPACE_BYTES = 512 * 2**20
 # Chunks are rounded down to a multiple of this many rows (matmul tiles) when they hold more.

@@ -33,7 +33,7 @@ from .rowwise import (
 from .tl_math import aligned, cast, chunk_columns, round_to
 
 CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
-# Launch configuration, from the H200 sweep in docs/perf-notes.md (scripts/tune_rms_norm.py):
+# Launch configuration, from the H200 sweep in docs/perf-log.md (scripts/tune_rms_norm.py):
 # forward: ~4k elements of x per program, 4-8 warps; backward: one persistent program per SM, 16 warps,
 # tiles of 8k elements with the next tile prefetched; a single row of 16k+ elements is its own tile, without
 # prefetch (two such tiles in registers halve occupancy: 0.21 ms against 0.14 ms at 4096 x 16384).

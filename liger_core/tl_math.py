@@ -69,7 +69,7 @@ def aligned(value, ALIGN: tl.constexpr):
 # keep denormal results (FSETP and two predicated FMULs); tl.exp2 compiles to the ex2 alone (flushing denormals
 # to 0). tl.log and tl.log2 compile to a ~25-instruction software routine, not to the hardware's lg2. In a loop
 # that does little else per element these counts decide the time (the JSD loop issued ~52 instructions per
-# element: perf-notes, thirteenth session), so hot loops take exp_ftz and log_approx.
+# element: perf-log, thirteenth session), so hot loops take exp_ftz and log_approx.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 

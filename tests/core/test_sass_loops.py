@@ -1,4 +1,4 @@
-"""scripts/sass_loops.py, which perf-notes quotes for instruction counts: it compiles a norm forward for sm_90
+"""scripts/sass_loops.py, which perf-log quotes for instruction counts: it compiles a norm forward for sm_90
 (in a subprocess, no GPU needed) and finds both sweeps of a chunked forward as loops in the SASS."""
 
 import os

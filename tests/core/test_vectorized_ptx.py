@@ -88,7 +88,7 @@ def test_loss_loops_use_one_instruction_exp2_and_log2(tmp_path):
 def test_partial_sums_load_16_bytes_at_a_time(tmp_path, case):
     """The weight-gradient reduction (132 partials x 4096 columns, fp32), alone or as LayerNorm's dW/dB pair,
     loads 4 floats at a time under jax_triton's specialisation too: without the ALIGN hint its loads were 4 bytes
-    wide and it took 29 us under jax against 6 under torch (H100, scripts/profile_kernels.py, perf-notes
+    wide and it took 29 us under jax against 6 under torch (H100, scripts/profile_kernels.py, perf-log
     fourteenth session)."""
     (hinted,) = [r for r in compile_all(tmp_path, case, reductions=True) if r["case"] == case]
     (unhinted,) = [r for r in compile_all(tmp_path, case, "--force-align1", reductions=True) if r["case"] == case]
