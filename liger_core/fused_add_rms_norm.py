@@ -23,7 +23,7 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
-    CASTING_MODES, ROW_DOTS_SWEEP, _check_inputs, backward_variant, chunked_rows, first_sweep_start,
+    CASTING_MODES, ROW_DOTS_SWEEP, _check_inputs, backward_variant, chunk_mask, chunked_rows, first_sweep_start,
     first_sweep_step, load_chunk, load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel,
     row_dots_launch,
 )
@@ -86,7 +86,7 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     n_rows, n_cols, eps, offset,
     Y, H, RSTD,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """ROWS rows a program (w read once for all), for rows too wide to hold in registers
     (rowwise.MAX_HELD_COLUMNS): a first sweep over CHUNK-column chunks writes h and sums its squares (PREFETCH:
@@ -101,13 +101,13 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     squares = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
     x_rows = X + rows[:, None] * x_row_stride
     r_rows = R + rows[:, None] * r_row_stride
-    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
-    r_next = first_sweep_start(r_rows, r_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
+    r_next = first_sweep_start(r_rows, r_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
     for i in range(n_chunks):
-        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
-        r, r_next = first_sweep_step(r_rows, r_col_stride, i, n_chunks, n_cols, r_next, CHUNK, PREFETCH)
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH, FULL_CHUNKS)
+        r, r_next = first_sweep_step(r_rows, r_col_stride, i, n_chunks, n_cols, r_next, CHUNK, PREFETCH, FULL_CHUNKS)
         cols = chunk_columns(i, n_chunks, CHUNK, False)
-        mask = (cols < n_cols)[None, :]
+        mask = chunk_mask(cols, n_cols, FULL_CHUNKS)[None, :]
         hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)
         tl.store(h_rows + cols[None, :], cast(hf, h_dtype), mask=mask)
         squares += hf * hf
@@ -117,8 +117,8 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     y_dtype = Y.dtype.element_ty
     for i in range(n_chunks):
         cols = chunk_columns(i, n_chunks, CHUNK, True)
-        col_mask = cols < n_cols
-        hf = load_chunk(h_rows, 1, i, n_chunks, n_cols, CHUNK, True).to(tl.float32)
+        col_mask = chunk_mask(cols, n_cols, FULL_CHUNKS)
+        hf = load_chunk(h_rows, 1, i, n_chunks, n_cols, CHUNK, True, FULL_CHUNKS).to(tl.float32)
         scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT)
         y = normalize_and_scale(hf, rstd, scale, h_dtype, y_dtype, CASTING, HAS_WEIGHT)
         tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=col_mask[None, :])
@@ -139,13 +139,14 @@ def _check_pair(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, cas
 def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *, eps: float,
                  offset: float = 0.0, casting_mode: str = "llama", weight_name: str = "weight",
                  block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps",
-                 chunk: int | None = None, prefetch: bool | None = None) -> Plan:
+                 chunk: int | None = None, prefetch: bool | None = None, full_chunks: bool | None = None) -> Plan:
     """Plan for ``y, h, rstd = fused_add_rms_norm(x, residual, weight)``.
 
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
     messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``prefetch``,
-    ``block_m`` and ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`)."""
+    ``full_chunks``, ``block_m`` and ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`,
+    :func:`~.rowwise.full_chunks`)."""
     _check_pair(x, residual, weight, casting_mode, weight_name)
     check_eps(eps, eps_name)
     check_finite(offset, "offset")
@@ -162,7 +163,7 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
          NewBuffer("rstd", x.shape[:-1], "float32")),
         {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight}, n_rows, n_cols,
         tile_elements=_FORWARD_TILE, chunked=_CHUNKED, block_m=block_m, num_warps=num_warps,
-        chunk=chunk, prefetch=prefetch)
+        chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks)
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
 

@@ -26,11 +26,11 @@ from .launch import (
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import (
-    backward_variant, chunked_rows, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk,
+    backward_variant, chunk_mask, chunked_rows, first_sweep_start, first_sweep_step, load_backward_rows, load_chunk,
     load_row_values, reload_backward_tile, row_sums_pointers, row_sums_step,
 )
 from .rowwise import (
-    ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
+    ChunkedSweep, backward_tiles, full_chunks, gradient_output, norm_forward_launch, row_view, rows_in_group,
 )
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
@@ -122,7 +122,7 @@ def _layer_norm_chunked_forward_kernel(
     n_rows, n_cols, eps,
     Y, MEAN, RSTD,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """ROWS rows a program (w and b read once for all), for rows too wide to hold in registers
     (rowwise.MAX_HELD_COLUMNS). The first sweep keeps Welford's running mean and squared deviations per lane (no
@@ -139,12 +139,12 @@ def _layer_norm_chunked_forward_kernel(
     n_chunks = tl.cdiv(n_cols, CHUNK)
     lane_mean = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
     lane_m2 = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
-    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
     for i in range(n_chunks):
-        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
-        mask = (chunk_columns(i, n_chunks, CHUNK, False) < n_cols)[None, :]
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH, FULL_CHUNKS)
+        mask = chunk_mask(chunk_columns(i, n_chunks, CHUNK, False), n_cols, FULL_CHUNKS)[None, :]
         # a lane past the row's end takes its own running mean: delta = 0 leaves both moments as they are (one
-        # select, and the two updates stay FMAs: 7 instructions an element, not 11)
+        # select, none with FULL_CHUNKS, and the two updates stay FMAs: 7 instructions an element, not 11)
         xf = tl.where(mask, x.to(tl.float32) - shift[:, None], lane_mean)
         delta = xf - lane_mean
         lane_mean += delta * (1.0 / (i + 1))  # a lane's (i + 1)-th value
@@ -158,8 +158,8 @@ def _layer_norm_chunked_forward_kernel(
     tl.store(RSTD + rows, rstd)
     for i in range(n_chunks):
         cols = chunk_columns(i, n_chunks, CHUNK, True)
-        col_mask = cols < n_cols
-        xf = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, True).to(tl.float32)
+        col_mask = chunk_mask(cols, n_cols, FULL_CHUNKS)
+        xf = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, True, FULL_CHUNKS).to(tl.float32)
         y = ((xf - shift[:, None]) - mean[:, None]) * rstd[:, None]
         if HAS_WEIGHT:
             y = y * tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -175,7 +175,8 @@ def _layer_norm_row_sums_kernel(
     W, w_stride,
     MEAN, RSTD, n_cols,
     ROW_DOT, ROW_MEAN,
-    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """mean(dxhat * xhat) * rstd and mean(dxhat) * rstd (dxhat = dy * w, xhat = (x - mean) * rstd) of one row a
     program, swept once in CHUNK-column chunks (per-lane sums, one reduction at the end): the row sums that the
@@ -189,11 +190,12 @@ def _layer_norm_row_sums_kernel(
     n_chunks = tl.cdiv(n_cols, CHUNK)
     dots = tl.zeros((1, CHUNK), dtype=tl.float32)
     sums = tl.zeros((1, CHUNK), dtype=tl.float32)
-    dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
-    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
     for i in range(n_chunks):
         dxhat, x, dy_next, x_next = row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, 0.0, i,
-                                                  n_chunks, n_cols, dy_next, x_next, CHUNK, HAS_WEIGHT, PREFETCH)
+                                                  n_chunks, n_cols, dy_next, x_next, CHUNK, HAS_WEIGHT, PREFETCH,
+                                                  FULL_CHUNKS)
         # past the row's end dy is 0, so dxhat is too and the centred x there adds nothing
         dots += dxhat * ((x - mean[:, None]) * rstd[:, None])
         sums += dxhat
@@ -347,13 +349,13 @@ def promoted_dtype(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | Non
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, *, eps: float,
                  out_dtype: str | None = None, weight_name: str = "weight", bias_name: str = "bias",
                  block_m: int | None = None, num_warps: int | None = None, eps_name: str = "eps",
-                 chunk: int | None = None, prefetch: bool | None = None) -> Plan:
+                 chunk: int | None = None, prefetch: bool | None = None, full_chunks: bool | None = None) -> Plan:
     """Plan for ``y, mean, rstd = layer_norm(x, weight, bias)``; inputs ``x`` (``weight``, ``bias`` when given).
 
     ``out_dtype`` is y's dtype (default: x's, as in torch). ``weight_name`` / ``bias_name`` name the parameters
     as the caller's API does, for error messages (``eps_name`` the epsilon). Rows wider than
-    ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``prefetch``, ``block_m`` and ``num_warps``
-    override the launch: :func:`liger_core.rowwise.forward_chunk`)."""
+    ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``prefetch``, ``full_chunks``, ``block_m`` and
+    ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`, :func:`~.rowwise.full_chunks`)."""
     _check_inputs(x, weight, bias, weight_name, bias_name)
     check_eps(eps, eps_name)
     y_dtype = x.dtype if out_dtype is None else out_dtype
@@ -370,7 +372,7 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
          NewBuffer("rstd", x.shape[:-1], "float32")),
         {"HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias}, n_rows, n_cols, tile_elements=_forward_tile(n_cols),
         chunked=_CHUNKED, block_m=block_m, num_warps=num_warps, chunk=chunk, prefetch=prefetch,
-        full_row_flag=True)
+        full_chunks_override=full_chunks, full_row_flag=True)
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
 
@@ -437,7 +439,8 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, bias: A
                   Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0,
                   Buf("mean"), Buf("rstd"), n_cols),
             outputs=(NewBuffer("row_dot", (n_rows,), "float32"), NewBuffer("row_mean", (n_rows,), "float32")),
-            constexprs={"CHUNK": tiles.row_sums.chunk, "HAS_WEIGHT": has_weight, "PREFETCH": tiles.row_sums.prefetch},
+            constexprs={"CHUNK": tiles.row_sums.chunk, "HAS_WEIGHT": has_weight, "PREFETCH": tiles.row_sums.prefetch,
+                        "FULL_CHUNKS": full_chunks(n_cols, tiles.row_sums.chunk)},
             num_warps=tiles.row_sums.num_warps))
     if has_weight and has_bias:
         launches.append(sum_partial_pairs_launch(("dw_partial", "db_partial"), ("dw", "db"), groups, n_programs,

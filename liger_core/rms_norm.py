@@ -28,7 +28,8 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rowwise import (
-    BackwardTiles, ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
+    BackwardTiles, ChunkedSweep, backward_tiles, full_chunks, gradient_output, norm_forward_launch, row_view,
+    rows_in_group,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -117,32 +118,48 @@ def chunked_rows(n_rows, ROWS: tl.constexpr):
 
 
 @triton.jit
-def load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr):
-    """Step ``i`` of a chunked sweep over a (1, n_cols) row: (1, CHUNK) values in the row's dtype, zeros past its
-    end (a step past the last chunk loads nothing: the first sweeps prefetch one step ahead)."""
-    cols = chunk_columns(i, n_chunks, CHUNK, SECOND_SWEEP)
-    return tl.load(rows_ptr + cols[None, :] * col_stride, mask=(cols < n_cols)[None, :], other=0.0)
+def chunk_mask(cols, n_cols, FULL: tl.constexpr):
+    """Which of a chunk's columns lie in the row. FULL (every chunk whole: n_cols a multiple of CHUNK): all, as a
+    constant the compiler folds away, so masked loads, stores and selects lose their compares and zero fills."""
+    if FULL:
+        return tl.full(cols.shape, 1, tl.int1)
+    else:
+        return cols < n_cols
 
 
 @triton.jit
-def first_sweep_start(rows_ptr, col_stride, n_chunks, n_cols, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
+def load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK: tl.constexpr, SECOND_SWEEP: tl.constexpr,
+               FULL: tl.constexpr):
+    """Step ``i`` of a chunked sweep over a (1, n_cols) row: (1, CHUNK) values in the row's dtype, zeros past its
+    end (a step past the last chunk loads nothing: the first sweeps prefetch one step ahead; with FULL chunks
+    that is the only mask, one uniform predicate, and what such a step returns is not defined)."""
+    cols = chunk_columns(i, n_chunks, CHUNK, SECOND_SWEEP)
+    if FULL:
+        return tl.load(rows_ptr + cols[None, :] * col_stride, mask=i < n_chunks)
+    else:
+        return tl.load(rows_ptr + cols[None, :] * col_stride, mask=(cols < n_cols)[None, :], other=0.0)
+
+
+@triton.jit
+def first_sweep_start(rows_ptr, col_stride, n_chunks, n_cols, CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
+                      FULL: tl.constexpr):
     """What a first sweep carries into its loop: with PREFETCH chunk 0's load, issued now (else nothing used)."""
     if PREFETCH:
-        return load_chunk(rows_ptr, col_stride, 0, n_chunks, n_cols, CHUNK, False)
+        return load_chunk(rows_ptr, col_stride, 0, n_chunks, n_cols, CHUNK, False, FULL)
     else:
         return tl.zeros((1, CHUNK), dtype=rows_ptr.dtype.element_ty)
 
 
 @triton.jit
 def first_sweep_step(rows_ptr, col_stride, i, n_chunks, n_cols, pending, CHUNK: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     PREFETCH: tl.constexpr, FULL: tl.constexpr):
     """``(chunk i, what to carry)`` of a first sweep. With PREFETCH chunk i is ``pending`` (loaded a step
     earlier) and chunk i + 1's load is issued before chunk i is used: two loads in flight a warp, not one (a
     sweep loop is latency-bound: liger_core.cross_entropy.row_softmax_stats), for more registers."""
     if PREFETCH:
-        return pending, load_chunk(rows_ptr, col_stride, i + 1, n_chunks, n_cols, CHUNK, False)
+        return pending, load_chunk(rows_ptr, col_stride, i + 1, n_chunks, n_cols, CHUNK, False, FULL)
     else:
-        return load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK, False), pending
+        return load_chunk(rows_ptr, col_stride, i, n_chunks, n_cols, CHUNK, False, FULL), pending
 
 
 @triton.jit
@@ -152,7 +169,7 @@ def _rms_norm_chunked_forward_kernel(
     n_rows, n_cols, eps, offset,
     Y, RSTD,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """ROWS rows a program (w read once for all), for rows too wide to hold in registers
     (rowwise.MAX_HELD_COLUMNS): a first sweep over CHUNK-column chunks sums the squares (per lane, one reduction
@@ -164,9 +181,9 @@ def _rms_norm_chunked_forward_kernel(
     x_rows = X + rows[:, None] * x_row_stride
     n_chunks = tl.cdiv(n_cols, CHUNK)
     squares = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
-    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
     for i in range(n_chunks):
-        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
+        x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH, FULL_CHUNKS)
         xf = x.to(tl.float32)
         squares += xf * xf
     rstd = tl.rsqrt(tl.sum(squares, axis=1) / n_cols + eps)
@@ -174,8 +191,8 @@ def _rms_norm_chunked_forward_kernel(
     y_dtype = Y.dtype.element_ty
     for i in range(n_chunks):
         cols = chunk_columns(i, n_chunks, CHUNK, True)
-        col_mask = cols < n_cols
-        x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, True)
+        col_mask = chunk_mask(cols, n_cols, FULL_CHUNKS)
+        x = load_chunk(x_rows, x_col_stride, i, n_chunks, n_cols, CHUNK, True, FULL_CHUNKS)
         scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT)
         y = normalize_and_scale(x.to(tl.float32), rstd, scale, x.dtype, y_dtype, CASTING, HAS_WEIGHT)
         tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=col_mask[None, :])
@@ -231,15 +248,16 @@ def row_sums_pointers(DY, dy_row_stride, X, x_row_stride):
 
 @triton.jit
 def row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, offset, i, n_chunks, n_cols, dy_next,
-                  x_next, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr):
+                  x_next, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr,
+                  FULL: tl.constexpr):
     """Step ``i`` of a row-sums sweep over dy and x (the column-split backwards'): ``(dy * (offset + w), x)`` in
     fp32, zeros past the row's end, and what to carry (first_sweep_step)."""
-    dy, dy_next = first_sweep_step(dy_rows, dy_col_stride, i, n_chunks, n_cols, dy_next, CHUNK, PREFETCH)
-    x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH)
+    dy, dy_next = first_sweep_step(dy_rows, dy_col_stride, i, n_chunks, n_cols, dy_next, CHUNK, PREFETCH, FULL)
+    x, x_next = first_sweep_step(x_rows, x_col_stride, i, n_chunks, n_cols, x_next, CHUNK, PREFETCH, FULL)
     dnormed = dy.to(tl.float32)
     if HAS_WEIGHT:
         cols = chunk_columns(i, n_chunks, CHUNK, False)
-        w = tl.load(W + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+        w = tl.load(W + cols * w_stride, mask=chunk_mask(cols, n_cols, FULL), other=0.0).to(tl.float32) + offset
         dnormed = dnormed * w[None, :]
     return dnormed, x.to(tl.float32), dy_next, x_next
 
@@ -251,7 +269,8 @@ def _rms_norm_row_dots_kernel(
     W, w_stride,
     RSTD, n_cols, offset,
     ROW_DOT,
-    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr, ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """mean(dy * (offset + w) * x * rstd) of one row a program, swept once in CHUNK-column chunks (per-lane
     sums, one reduction at the end): the row sum that the column-split backward (rows over
@@ -263,12 +282,12 @@ def _rms_norm_row_dots_kernel(
     rows, dy_rows, x_rows = row_sums_pointers(DY, dy_row_stride, X, x_row_stride)
     n_chunks = tl.cdiv(n_cols, CHUNK)
     dots = tl.zeros((1, CHUNK), dtype=tl.float32)
-    dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
-    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH)
+    dy_next = first_sweep_start(dy_rows, dy_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
+    x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
     for i in range(n_chunks):
         dnormed, x, dy_next, x_next = row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, offset,
                                                     i, n_chunks, n_cols, dy_next, x_next, CHUNK, HAS_WEIGHT,
-                                                    PREFETCH)
+                                                    PREFETCH, FULL_CHUNKS)
         dots += dnormed * x  # past the row's end x is 0
     rstd = tl.load(RSTD + rows)
     tl.store(ROW_DOT + rows, tl.sum(dots, axis=1) * rstd / n_cols)
@@ -406,13 +425,13 @@ def output_dtype(x_dtype: str, weight_dtype: str | None, casting_mode: str) -> s
 def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: float = 0.0,
                  casting_mode: str = "llama", weight_name: str = "weight", block_m: int | None = None,
                  num_warps: int | None = None, eps_name: str = "eps", chunk: int | None = None,
-                 prefetch: bool | None = None) -> Plan:
+                 prefetch: bool | None = None, full_chunks: bool | None = None) -> Plan:
     """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
 
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
     messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk`` overrides:
-    :func:`liger_core.rowwise.forward_chunk`; ``prefetch`` the chunked sweep's prefetch); ``block_m`` and
-    ``num_warps`` override the launch too."""
+    :func:`liger_core.rowwise.forward_chunk`; ``prefetch`` the chunked sweep's prefetch, ``full_chunks`` its
+    masks: :func:`liger_core.rowwise.full_chunks`); ``block_m`` and ``num_warps`` override the launch too."""
     _check_inputs(x, weight, casting_mode, weight_name)
     check_eps(eps, eps_name)
     check_finite(offset, "offset")
@@ -426,7 +445,7 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32")),
         {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight}, n_rows, n_cols,
         tile_elements=_FORWARD_TILE, chunked=_CHUNKED, block_m=block_m, num_warps=num_warps,
-        chunk=chunk, prefetch=prefetch)
+        chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks)
     inputs = ("x", "weight") if has_weight else ("x",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 
@@ -515,5 +534,6 @@ def row_dots_launch(dy: tuple, x: tuple, weight: ArrayInfo | None, offset: float
               Buf("weight" if has_weight else x[0]), weight.strides[0] if has_weight else 0,
               Buf("rstd"), n_cols, float(offset)),
         outputs=(NewBuffer("row_dot", (n_rows,), "float32"),),
-        constexprs={"CHUNK": sweep.chunk, "HAS_WEIGHT": has_weight, "PREFETCH": sweep.prefetch},
+        constexprs={"CHUNK": sweep.chunk, "HAS_WEIGHT": has_weight, "PREFETCH": sweep.prefetch,
+                    "FULL_CHUNKS": full_chunks(n_cols, sweep.chunk)},
         num_warps=sweep.num_warps)

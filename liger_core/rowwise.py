@@ -57,6 +57,15 @@ def forward_chunk(n_cols: int, chunk: int | None, default: int) -> int:
     return _columns_override(chunk, "chunk")
 
 
+def full_chunks(n_cols: int, chunk: int, override: bool | None = None) -> bool:
+    """A chunked sweep's FULL_CHUNKS constexpr: whether every chunk is whole (``n_cols`` a multiple of ``chunk``),
+    so the kernel drops its column masks. ``override=False`` keeps them anyway (for tuning and tests)."""
+    whole = n_cols % chunk == 0
+    if override and not whole:
+        raise ValueError(f"full_chunks=True needs n_cols ({n_cols}) to be a multiple of the chunk ({chunk})")
+    return whole if override is None else bool(override)
+
+
 def _columns_override(value: int, name: str) -> int:
     """A column-count override: 0 (whole rows) or a power of two of at least 16, or a ValueError naming it."""
     if value != 0 and (value < 16 or value & (value - 1)):
@@ -67,13 +76,15 @@ def _columns_override(value: int, name: str) -> int:
 def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: tuple, outputs: tuple,
                         constexprs: dict, n_rows: int, n_cols: int, *, tile_elements: int, chunked: ChunkedSweep,
                         block_m: int | None = None, num_warps: int | None = None, chunk: int | None = None,
-                        prefetch: bool | None = None, full_row_flag: bool = False) -> Launch:
+                        prefetch: bool | None = None, full_chunks_override: bool | None = None,
+                        full_row_flag: bool = False) -> Launch:
     """The launch of a norm forward: ``held_kernel`` on ``block_m`` whole rows a program (about
     ``tile_elements`` values, 4-8 warps), or past MAX_HELD_COLUMNS ``chunked_kernel`` on ``block_m`` rows a
     program (ROWS), swept in chunks (the family's ``chunked`` defaults). Both kernels take ``lead_args`` (buffers
     and strides), then ``n_rows``, ``n_cols`` and ``scalars``; ``constexprs`` are common to both;
-    ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``, ``num_warps``, ``chunk`` and ``prefetch``
-    override (for tuning and tests; a chunk other than the default gets warps_for(chunk))."""
+    ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``, ``num_warps``, ``chunk``, ``prefetch`` and
+    ``full_chunks_override`` (:func:`full_chunks`) override (for tuning and tests; a chunk other than the default
+    gets warps_for(chunk))."""
     if block_m is not None and (block_m < 1 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     default_chunk = chunk is None
@@ -85,7 +96,8 @@ def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: 
             kernel=chunked_kernel, grid=(cdiv(n_rows, rows),), args=(*lead_args, n_rows, n_cols, *scalars),
             outputs=outputs, num_warps=num_warps or warps,
             constexprs={**constexprs, "CHUNK": chunk, "ROWS": rows,
-                        "PREFETCH": chunked.prefetch if prefetch is None else prefetch})
+                        "PREFETCH": chunked.prefetch if prefetch is None else prefetch,
+                        "FULL_CHUNKS": full_chunks(n_cols, chunk, full_chunks_override)})
     default_m, block_n = tile(n_cols, n_rows, tile_elements)
     block_m = block_m or default_m
     held = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}

@@ -233,9 +233,9 @@ def test_backward_launch_variants_agree(prefetch, block_m, reload, device, seed)
 
 # The column-split backward of rows over rowwise.MAX_HELD_COLUMNS; ``column_block`` forces it on small rows (row
 # sums swept in chunks of as many columns): several blocks with the last partial, one block a tile row, tiles of
-# four rows, a folded leading axis, a single row; and the default blocks just past the threshold.
+# four rows, a folded leading axis, a single row, whole blocks only; and the default blocks just past the threshold.
 SPLIT = [((37, 123), 32, None), ((5, 77), 16, 1), ((9, 300), 64, 4), ((2, 3, 40), 16, None), ((1, 17), 16, None),
-         ((2, 16400), None, None)]
+         ((6, 64), 16, 2), ((2, 16400), None, None)]
 
 
 def column_split_grads(core, x, w, dy, mode, offset, column_block, block_m, in_place=False):

@@ -28,12 +28,15 @@ def _plan_and_inputs(family, rng, shape):
 
 
 @pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
-def test_chunked_forward_several_rows_parity(family, device, seed):
-    """7 rows of 123 columns, 4 rows a program: the last program's short, its extra rows the last again."""
+@pytest.mark.parametrize("shape", [(7, 123), (6, 96)])
+def test_chunked_forward_several_rows_parity(family, shape, device, seed):
+    """7 rows of 123 columns, 4 rows a program: the last program's short, its extra rows the last again; 96
+    columns: whole chunks, the kernels without column masks (FULL_CHUNKS)."""
     from liger_jax._launch import run_plan as run_jax
     from liger_torch._launch import run_plan as run_torch
 
-    plan, inputs = _plan_and_inputs(family, np.random.default_rng(seed), (7, 123))
+    plan, inputs = _plan_and_inputs(family, np.random.default_rng(seed), shape)
+    assert plan.launches[0].constexprs["FULL_CHUNKS"] == (shape[1] % 16 == 0)
     got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in inputs.items()})
     got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in inputs.items()})
     assert len(got_torch) == len(got_jax) == len(plan.outputs)
