@@ -61,10 +61,14 @@ def _cases(n, h):
            dict(x=x, residual=r, weight=w), 4 * tensor, None)  # reads x and residual, writes y and h
 
 
+SHORT = {"block_m": "rows", "num_warps": "warps", "full_chunks": "full"}  # table labels
+
+
 def _configs(h):
     """Launch overrides to try at hidden size ``h``: rows a program x warps for held rows (forced with chunk=0
     past MAX_HELD_COLUMNS, one row at 16 and 32 warps: the old default spilled there), and from 8192 columns
-    chunk widths x warps, the first sweep's prefetch on and off at 16 warps, and 2 or 4 rows a program (the
+    chunk widths x warps, the first sweep's prefetch on and off at 16 warps, 2 or 4 rows a program, the default
+    with the column masks it drops where every chunk is whole (``full_chunks=False``, also at 2 rows) (the
     chunked sweep is the default only past MAX_HELD_COLUMNS; at 16384 LayerNorm's held row takes 174 registers a
     thread, one 8-warp program an SM, so the sweep may serve it better)."""
     warps = WARPS + ((32,) if h >= 16384 else ())  # wide rows: 32 warps keep LayerNorm at ~51 registers
@@ -77,6 +81,8 @@ def _configs(h):
                 if c <= h]  # the family's default prefetch appears twice: the repeat shows the timer's noise
     chunked += [dict(chunk=c, block_m=m, num_warps=w) for c, m, w in itertools.product(CHUNKS[:2], (2, 4), (8, 16))
                 if c <= h]  # several rows a program: the parameters read once for them (from L2, once a row)
+    if h > MAX_HELD_COLUMNS:  # the default launch with its column masks kept (where its chunks are whole)
+        chunked += [dict(full_chunks=False), dict(block_m=2, full_chunks=False)]
     return held + (chunked if h >= 8192 else [])
 
 
@@ -109,8 +115,7 @@ def sweep(n, h, out, timer, families=None):
         floor = nbytes / COPY_BYTES_PER_S * 1e3
         configs = [{}] + _configs(h)
         for overrides in configs:
-            label = "*default" if not overrides else " ".join(f"{k.replace('block_m', 'rows').replace('num_', '')}="
-                                                              f"{v}" for k, v in overrides.items())
+            label = "*default" if not overrides else " ".join(f"{SHORT.get(k, k)}={v}" for k, v in overrides.items())
             try:
                 p = plan(**overrides)
                 ms = timer(lambda: run_plan(p, **inputs))
