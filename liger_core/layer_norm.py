@@ -106,15 +106,6 @@ def _layer_norm_forward_kernel(
 
 
 @triton.jit
-def _merge_moments(mean_a, m2_a, count_a, mean_b, m2_b, count_b):
-    """Two (mean, sum of squared deviations, count) summaries as one (Chan, Golub and LeVeque's update)."""
-    count = count_a + count_b
-    share_b = tl.where(count > 0, count_b / tl.maximum(count, 1.0), 0.0)
-    delta = mean_b - mean_a
-    return mean_a + delta * share_b, m2_a + m2_b + delta * delta * count_a * share_b, count
-
-
-@triton.jit
 def _layer_norm_chunked_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
@@ -151,8 +142,13 @@ def _layer_norm_chunked_forward_kernel(
         lane_m2 += delta * (xf - lane_mean)
     last = n_cols - (n_chunks - 1) * CHUNK  # columns in the last chunk: its lanes past them saw one value less
     lane_count = (n_chunks - 1 + (tl.arange(0, CHUNK) < last).to(tl.int32)).to(tl.float32)[None, :]
-    lane_count = tl.broadcast_to(lane_count, (ROWS, CHUNK))
-    mean, m2, _ = tl.reduce((lane_mean, lane_m2, lane_count), 1, _merge_moments)
+    # the lanes' moments as the row's: its mean weighs the lanes' means by their counts, and its squared
+    # deviations are the lanes' plus each lane's count x its mean's squared distance from the row's (plain sums, no
+    # pairwise merge with a division a lane; an error e in the mean changes the sum by n e^2 only, to first order
+    # nothing, since the distances sum to zero about the exact mean)
+    mean = tl.sum(lane_mean * lane_count, axis=1) / n_cols
+    distance = lane_mean - mean[:, None]
+    m2 = tl.sum(lane_m2 + lane_count * distance * distance, axis=1)
     rstd = tl.rsqrt(m2 / n_cols + eps)
     tl.store(MEAN + rows, shift + mean)
     tl.store(RSTD + rows, rstd)

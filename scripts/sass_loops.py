@@ -78,7 +78,10 @@ def main(argv=None):
         held = {k: launch.constexprs[k] for k in ("CHUNK", "ROWS", "BLOCK_M", "BLOCK_N") if k in launch.constexprs}
         print(f"{args.family} {args.shape} {text or 'default'}: {launch.kernel.fn.__name__} {held} "
               f"{launch.num_warps} warps")
-        for count, ops in loops(sass(launch)):
+        text = sass(launch)
+        total = sum(1 for line in text.splitlines() if ADDRESS.search(line))
+        print(f"  kernel: {total} instructions (once a program: outside the loops, e.g. the row reductions)")
+        for count, ops in loops(text):
             if count > 1:
                 print(f"  loop of {count}: " + ", ".join(f"{op} {c}" for op, c in ops.most_common(10)))
 
