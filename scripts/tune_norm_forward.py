@@ -41,7 +41,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 COPY_BYTES_PER_S = 4.25e12  # the H200's measured copy bandwidth (benchmarks/results, ceilings)
 ROWS_PER_PROGRAM = (1, 2, 4)
 WARPS = (4, 8, 16)
-CHUNKS = (4096, 8192, 16384)  # columns a step of the chunked sweep (rows over MAX_HELD_COLUMNS)
+CHUNKS = (2048, 4096, 8192, 16384)  # columns a step of the chunked sweep (rows over MAX_HELD_COLUMNS)
 FAMILIES = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
 
 
@@ -79,8 +79,9 @@ def _configs(h):
     chunked = [dict(chunk=c, num_warps=w) for c, w in itertools.product(CHUNKS, (8, 16, 32)) if c <= h]
     chunked += [dict(chunk=c, num_warps=16, prefetch=p) for c, p in itertools.product(CHUNKS, (False, True))
                 if c <= h]  # the family's default prefetch appears twice: the repeat shows the timer's noise
-    chunked += [dict(chunk=c, block_m=m, num_warps=w) for c, m, w in itertools.product(CHUNKS[:2], (2, 4), (8, 16))
-                if c <= h]  # several rows a program: the parameters read once for them (from L2, once a row)
+    chunked += [dict(chunk=c, block_m=m, num_warps=w) for c, m, w in itertools.product(CHUNKS[:3], (2, 4), (8, 16))
+                if c <= h and c * m <= 64 * 32 * w]  # several rows a program: the parameters read once for them
+    # (from L2, once a row), at most 64 values a thread
     if h > MAX_HELD_COLUMNS:  # the default launch with its column masks kept (where its chunks are whole)
         chunked += [dict(full_chunks=False), dict(block_m=2, full_chunks=False)]
     return held + (chunked if h >= 8192 else [])
