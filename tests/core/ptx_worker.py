@@ -40,6 +40,7 @@ def cases():
     rows = ArrayInfo.contiguous((64,), "float32")
     wide, wide_w = bf16(64, 16384), bf16(16384)
     widest, widest_w = bf16(8, 65536), bf16(65536)
+    ragged, ragged_w = bf16(8, 20496), bf16(20496)  # a partial last chunk: the sweeps keep their column masks
     scalar = ArrayInfo.contiguous((), "float32")
     return {
         "rms_norm forward": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
@@ -95,6 +96,13 @@ def cases():
         "fused_add_rms_norm forward, 65536 columns": (fused_add_rms_norm.forward_plan(widest, widest, widest_w,
                                                                                       eps=1e-6),
                                                       {"x": widest, "residual": widest, "weight": widest_w}),
+        "rms_norm forward, 20496 columns": (rms_norm.forward_plan(ragged, ragged_w, eps=1e-6),
+                                            {"x": ragged, "weight": ragged_w}),
+        "layer_norm forward, 20496 columns": (layer_norm.forward_plan(ragged, ragged_w, ragged_w, eps=1e-6),
+                                              {"x": ragged, "weight": ragged_w, "bias": ragged_w}),
+        "fused_add_rms_norm forward, 20496 columns": (fused_add_rms_norm.forward_plan(ragged, ragged, ragged_w,
+                                                                                      eps=1e-6),
+                                                      {"x": ragged, "residual": ragged, "weight": ragged_w}),
         # rows over 16384 columns: the backward's row sums, then 4096-column blocks (a whole-row tile spilled)
         "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132),
                                              {"dy": widest, "x": widest, "weight": widest_w, "rstd": rows}),
