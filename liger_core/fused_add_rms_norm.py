@@ -52,7 +52,8 @@ def _fused_add_rms_norm_forward_kernel(
     W, w_stride,
     n_rows, n_cols, eps, offset,
     Y, H, RSTD,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, ALIGN: tl.constexpr,
 ):
     x_row_stride = aligned(x_row_stride, ALIGN)
     r_row_stride = aligned(r_row_stride, ALIGN)
@@ -64,7 +65,7 @@ def _fused_add_rms_norm_forward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
     r = tl.load(R + rows[:, None] * r_row_stride + cols[None, :] * r_col_stride, mask=mask, other=0.0)
-    scale = load_scale(W, w_stride, cols, col_mask, offset, BLOCK_N, HAS_WEIGHT)
+    scale = load_scale(W, w_stride, cols, col_mask, offset, BLOCK_N, HAS_WEIGHT, HAS_OFFSET)
     h_dtype = H.dtype.element_ty
     # The fp32 sum of two half-precision values rounded once to h's dtype is the half-precision sum.
     hf = round_to(x.to(tl.float32) + r.to(tl.float32), h_dtype)
@@ -86,7 +87,7 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     n_rows, n_cols, eps, offset,
     Y, H, RSTD,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """ROWS rows a program (w read once for all), for rows too wide to hold in registers
     (rowwise.MAX_HELD_COLUMNS): a first sweep over CHUNK-column chunks writes h and sums its squares (PREFETCH:
@@ -119,7 +120,7 @@ def _fused_add_rms_norm_chunked_forward_kernel(
         cols = chunk_columns(i, n_chunks, CHUNK, True)
         col_mask = chunk_mask(cols, n_cols, FULL_CHUNKS)
         hf = load_chunk(h_rows, 1, i, n_chunks, n_cols, CHUNK, True, FULL_CHUNKS).to(tl.float32)
-        scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT)
+        scale = load_scale(W, w_stride, cols, col_mask, offset, CHUNK, HAS_WEIGHT, HAS_OFFSET)
         y = normalize_and_scale(hf, rstd, scale, h_dtype, y_dtype, CASTING, HAS_WEIGHT)
         tl.store(Y + rows[:, None] * n_cols + cols[None, :], cast(y, y_dtype), mask=col_mask[None, :])
 
@@ -161,7 +162,8 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
          Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0), (float(eps), float(offset)),
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("h", x.shape, h_dtype),
          NewBuffer("rstd", x.shape[:-1], "float32")),
-        {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight}, n_rows, n_cols,
+        {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0},
+        n_rows, n_cols,
         tile_elements=_FORWARD_TILE, chunked=_CHUNKED, block_m=block_m, num_warps=num_warps,
         chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks)
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
@@ -225,7 +227,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
               group_rows, n_cols, float(offset), tiles.grid.rows_per_program),
         outputs=(dx, dr, NewBuffer("dw_partial", (groups, n_programs, n_cols) if has_weight else (1,), "float32")),
         constexprs={"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "CASTING": CASTING_MODES[casting_mode],
-                    "HAS_WEIGHT": has_weight, "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad,
+                    "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0, "HAS_DH": dh is not None,
+                    "SEPARATE_DR": separate_residual_grad,
                     "PREFETCH": prefetch, "RELOAD": reload, "ROW_DOTS": tiles.split},
         num_warps=num_warps or warps_for(tiles.block_m * tiles.block_n),
     )

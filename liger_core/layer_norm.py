@@ -190,8 +190,8 @@ def _layer_norm_row_sums_kernel(
     x_next = first_sweep_start(x_rows, x_col_stride, n_chunks, n_cols, CHUNK, PREFETCH, FULL_CHUNKS)
     for i in range(n_chunks):
         dxhat, x, dy_next, x_next = row_sums_step(dy_rows, dy_col_stride, x_rows, x_col_stride, W, w_stride, 0.0, i,
-                                                  n_chunks, n_cols, dy_next, x_next, CHUNK, HAS_WEIGHT, PREFETCH,
-                                                  FULL_CHUNKS)
+                                                  n_chunks, n_cols, dy_next, x_next, CHUNK, HAS_WEIGHT, False,
+                                                  PREFETCH, FULL_CHUNKS)
         # past the row's end dy is 0, so dxhat is too and the centred x there adds nothing
         dots += dxhat * ((x - mean[:, None]) * rstd[:, None])
         sums += dxhat
