@@ -30,6 +30,18 @@ def bf16(*shape):
     return ArrayInfo.contiguous(shape, "bfloat16")
 
 
+def chunked_forward_cases(x, w):
+    """The three norm forwards on rows of ``x``'s width (past rowwise.MAX_HELD_COLUMNS: the chunked sweeps)."""
+    n = x.shape[-1]
+    return {
+        f"rms_norm forward, {n} columns": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
+        f"layer_norm forward, {n} columns": (layer_norm.forward_plan(x, w, w, eps=1e-6),
+                                             {"x": x, "weight": w, "bias": w}),
+        f"fused_add_rms_norm forward, {n} columns": (fused_add_rms_norm.forward_plan(x, x, w, eps=1e-6),
+                                                     {"x": x, "residual": x, "weight": w}),
+    }
+
+
 def cases():
     x, w = bf16(64, 4096), bf16(4096)
     rstd = ArrayInfo.contiguous((64,), "float32")
@@ -40,7 +52,7 @@ def cases():
     rows = ArrayInfo.contiguous((64,), "float32")
     wide, wide_w = bf16(64, 16384), bf16(16384)
     widest, widest_w = bf16(8, 65536), bf16(65536)
-    ragged, ragged_w = bf16(8, 20496), bf16(20496)  # a partial last chunk: the sweeps keep their column masks
+    ragged, ragged_w = bf16(8, 20496), bf16(20496)
     scalar = ArrayInfo.contiguous((), "float32")
     return {
         "rms_norm forward": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
@@ -88,21 +100,9 @@ def cases():
         "layer_norm backward, 16384 columns": (
             layer_norm.backward_plan(wide, wide, wide_w, wide_w, num_sms=132),
             {"dy": wide, "x": wide, "weight": wide_w, "bias": wide_w, "mean": rows, "rstd": rows}),
-        # rows over 16384 columns: swept in 8192-column chunks, twice (a held 65536-column row spilled kilobytes)
-        "rms_norm forward, 65536 columns": (rms_norm.forward_plan(widest, widest_w, eps=1e-6),
-                                            {"x": widest, "weight": widest_w}),
-        "layer_norm forward, 65536 columns": (layer_norm.forward_plan(widest, widest_w, widest_w, eps=1e-6),
-                                              {"x": widest, "weight": widest_w, "bias": widest_w}),
-        "fused_add_rms_norm forward, 65536 columns": (fused_add_rms_norm.forward_plan(widest, widest, widest_w,
-                                                                                      eps=1e-6),
-                                                      {"x": widest, "residual": widest, "weight": widest_w}),
-        "rms_norm forward, 20496 columns": (rms_norm.forward_plan(ragged, ragged_w, eps=1e-6),
-                                            {"x": ragged, "weight": ragged_w}),
-        "layer_norm forward, 20496 columns": (layer_norm.forward_plan(ragged, ragged_w, ragged_w, eps=1e-6),
-                                              {"x": ragged, "weight": ragged_w, "bias": ragged_w}),
-        "fused_add_rms_norm forward, 20496 columns": (fused_add_rms_norm.forward_plan(ragged, ragged, ragged_w,
-                                                                                      eps=1e-6),
-                                                      {"x": ragged, "residual": ragged, "weight": ragged_w}),
+        # rows over 16384 columns: swept in column chunks, twice (a held 65536-column row spilled kilobytes); whole
+        # chunks at 65536, a partial last chunk (the masked sweeps) at 20496
+        **chunked_forward_cases(widest, widest_w), **chunked_forward_cases(ragged, ragged_w),
         # rows over 16384 columns: the backward's row sums, then 4096-column blocks (a whole-row tile spilled)
         "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132),
                                              {"dy": widest, "x": widest, "weight": widest_w, "rstd": rows}),
