@@ -25,20 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import ptx_worker  # noqa: E402
 import triton  # noqa: E402
 
-from liger_core import fused_add_rms_norm, layer_norm, rms_norm  # noqa: E402
 from liger_core.launch import ArrayInfo  # noqa: E402
+from norm_plans import NORM_FAMILIES, norm_forward_plan  # noqa: E402  (tests/, put on the path by ptx_worker)
 
 OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
-
-
-def plan_for(family, n, h, overrides):
-    x, w = ArrayInfo.contiguous((n, h), "bfloat16"), ArrayInfo.contiguous((h,), "bfloat16")
-    if family == "rms_norm":
-        return rms_norm.forward_plan(x, w, eps=1e-6, **overrides)
-    if family == "layer_norm":
-        return layer_norm.forward_plan(x, w, w, eps=1e-5, **overrides)
-    return fused_add_rms_norm.forward_plan(x, x, w, eps=1e-6, **overrides)
 
 
 def sass(launch):
@@ -68,13 +59,14 @@ def parse_override(text):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("family", choices=("rms_norm", "layer_norm", "fused_add_rms_norm"))
+    parser.add_argument("family", choices=NORM_FAMILIES)
     parser.add_argument("--shape", default="4096x65536")
     parser.add_argument("--override", action="append", default=None)
     args = parser.parse_args(argv)
     n, h = (int(v) for v in args.shape.split("x"))
     for text in args.override or [""]:
-        launch = plan_for(args.family, n, h, parse_override(text)).launches[0]
+        x, w = ArrayInfo.contiguous((n, h), "bfloat16"), ArrayInfo.contiguous((h,), "bfloat16")
+        launch = norm_forward_plan(args.family, x, w, **parse_override(text)).launches[0]
         held = {k: launch.constexprs[k] for k in ("CHUNK", "ROWS", "BLOCK_M", "BLOCK_N") if k in launch.constexprs}
         print(f"{args.family} {args.shape} {text or 'default'}: {launch.kernel.fn.__name__} {held} "
               f"{launch.num_warps} warps")

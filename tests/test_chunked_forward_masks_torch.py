@@ -7,23 +7,16 @@ reference (their CHUNKED shapes (3, 64) with 16-column chunks)."""
 import pytest
 import torch
 
-FAMILIES = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
+from norm_plans import NORM_FAMILIES, norm_forward_plan
 
 
 def forward(family, x, r, w, b, **overrides):
     """(plan, outputs) of ``family``'s forward on bf16 ``x`` (``r`` the residual, ``b`` the bias where used)."""
-    from liger_core import fused_add_rms_norm, layer_norm, rms_norm
     from liger_torch._launch import info, run_plan
 
-    if family == "rms_norm":
-        plan, inputs = rms_norm.forward_plan(info(x), info(w), eps=1e-6, **overrides), dict(x=x, weight=w)
-    elif family == "layer_norm":
-        plan = layer_norm.forward_plan(info(x), info(w), info(b), eps=1e-5, **overrides)
-        inputs = dict(x=x, weight=w, bias=b)
-    else:
-        plan = fused_add_rms_norm.forward_plan(info(x), info(r), info(w), eps=1e-6, **overrides)
-        inputs = dict(x=x, residual=r, weight=w)
-    return plan, run_plan(plan, **inputs)
+    plan = norm_forward_plan(family, info(x), info(w), **overrides)
+    arrays = dict(x=x, residual=r, weight=w, bias=b)
+    return plan, run_plan(plan, **{name: arrays[name] for name in plan.inputs})
 
 
 def draw(seed, shape, device):
@@ -34,7 +27,7 @@ def draw(seed, shape, device):
     return x, r, w, b
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", NORM_FAMILIES)
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_whole_chunks_without_masks_same_bits(family, prefetch, rows, device, seed):
@@ -49,7 +42,7 @@ def test_whole_chunks_without_masks_same_bits(family, prefetch, rows, device, se
         assert torch.equal(a, c), name
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", NORM_FAMILIES)
 def test_partial_last_chunk_keeps_masks(family, device, seed):
     tensors = draw(seed, (3, 100), device)
     plan, _ = forward(family, *tensors, chunk=32)

@@ -22,6 +22,9 @@ from liger_core import cross_entropy, fused_add_rms_norm, jsd, kl_div, layer_nor
 from liger_core.launch import ArrayInfo, Buf, Plan  # noqa: E402
 from liger_core.reduce import sum_partial_pairs_launch, sum_partials_launch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, run as a script too
+from norm_plans import NORM_FAMILIES, norm_forward_plan  # noqa: E402
+
 TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int64": "i64",
                 "int32": "i32"}
 
@@ -32,14 +35,12 @@ def bf16(*shape):
 
 def chunked_forward_cases(x, w):
     """The three norm forwards on rows of ``x``'s width (past rowwise.MAX_HELD_COLUMNS: the chunked sweeps)."""
-    n = x.shape[-1]
-    return {
-        f"rms_norm forward, {n} columns": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
-        f"layer_norm forward, {n} columns": (layer_norm.forward_plan(x, w, w, eps=1e-6),
-                                             {"x": x, "weight": w, "bias": w}),
-        f"fused_add_rms_norm forward, {n} columns": (fused_add_rms_norm.forward_plan(x, x, w, eps=1e-6),
-                                                     {"x": x, "residual": x, "weight": w}),
-    }
+    arrays = {"x": x, "residual": x, "weight": w, "bias": w}
+    cases = {}
+    for family in NORM_FAMILIES:
+        plan = norm_forward_plan(family, x, w)
+        cases[f"{family} forward, {x.shape[-1]} columns"] = (plan, {name: arrays[name] for name in plan.inputs})
+    return cases
 
 
 def cases():

@@ -8,26 +8,21 @@ import numpy as np
 import pytest
 
 from helpers import assert_parity, as_numpy, to_torch
+from norm_plans import NORM_FAMILIES, norm_forward_plan
 
 
 def _plan_and_inputs(family, rng, shape):
-    from liger_core import fused_add_rms_norm, layer_norm, rms_norm
     from liger_core.launch import ArrayInfo
 
     x, r = (np.asarray(rng.standard_normal(shape) * 2 + 0.5, jnp.bfloat16) for _ in range(2))
     w, b = (np.asarray(rng.standard_normal(shape[-1]), jnp.bfloat16) for _ in range(2))
-    info = ArrayInfo.contiguous
-    x_info, w_info = info(shape, "bfloat16"), info((shape[-1],), "bfloat16")
-    overrides = dict(chunk=16, block_m=4)
-    if family == "rms_norm":
-        return rms_norm.forward_plan(x_info, w_info, eps=1e-6, **overrides), dict(x=x, weight=w)
-    if family == "layer_norm":
-        return layer_norm.forward_plan(x_info, w_info, w_info, eps=1e-5, **overrides), dict(x=x, weight=w, bias=b)
-    return (fused_add_rms_norm.forward_plan(x_info, x_info, w_info, eps=1e-6, **overrides),
-            dict(x=x, residual=r, weight=w))
+    plan = norm_forward_plan(family, ArrayInfo.contiguous(shape, "bfloat16"),
+                             ArrayInfo.contiguous((shape[-1],), "bfloat16"), chunk=16, block_m=4)
+    arrays = dict(x=x, residual=r, weight=w, bias=b)
+    return plan, {name: arrays[name] for name in plan.inputs}
 
 
-@pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+@pytest.mark.parametrize("family", NORM_FAMILIES)
 @pytest.mark.parametrize("shape", [(7, 123), (6, 96)])
 def test_chunked_forward_several_rows_parity(family, shape, device, seed):
     """7 rows of 123 columns, 4 rows a program: the last program's short, its extra rows the last again; 96
