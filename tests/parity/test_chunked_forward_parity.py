@@ -1,14 +1,14 @@
 """The chunked norm forwards (rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces them on small rows) with
-several rows a program (``block_m``, ROWS), launched from the same plan by both frontends' launchers: the same
-outputs, bit for bit. The public ops take one row a program by default, which the per-family parity tests
-cover at 16400 columns."""
+several rows a program (``block_m``, ROWS), and the column-split backwards (``column_block`` forces them),
+launched from the same plan by both frontends' launchers: the same outputs, bit for bit. The public ops take one
+row a program by default, which the per-family parity tests cover at 16400 columns."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from helpers import assert_parity, as_numpy, to_torch
-from norm_plans import NORM_FAMILIES, norm_forward_plan
+from norm_plans import NORM_FAMILIES, norm_backward_plan, norm_forward_plan
 
 
 def _plan_and_inputs(family, rng, shape):
@@ -35,5 +35,32 @@ def test_chunked_forward_several_rows_parity(family, shape, device, seed):
     got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in inputs.items()})
     got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in inputs.items()})
     assert len(got_torch) == len(got_jax) == len(plan.outputs)
+    for name, t, j in zip(plan.outputs, got_torch, got_jax):
+        assert_parity(as_numpy(t), np.asarray(j), name)
+
+
+@pytest.mark.parametrize("family", NORM_FAMILIES)
+@pytest.mark.parametrize("column_block", [16, 32])
+def test_column_split_backward_parity(family, column_block, device, seed):
+    """The column-split backward (its row sums swept in chunks of the block's width; ``column_block`` forces it on
+    small rows) through both launchers, 6 rows of 96 columns in 16- and 32-column blocks (whole chunks:
+    FULL_CHUNKS, no masks), bit for bit; the forward's statistics come from the torch launcher."""
+    from liger_core.launch import ArrayInfo
+    from liger_jax._launch import run_plan as run_jax
+    from liger_torch._launch import run_plan as run_torch
+
+    rng = np.random.default_rng(seed)
+    shape = (6, 96)
+    x_info, w_info = ArrayInfo.contiguous(shape, "bfloat16"), ArrayInfo.contiguous((shape[-1],), "bfloat16")
+    forward, inputs = _plan_and_inputs(family, rng, shape)
+    stats = dict(zip(forward.outputs, run_torch(forward, **{k: to_torch(v, device) for k, v in inputs.items()})))
+    arrays = {**inputs, **{k: as_numpy(v) for k, v in stats.items()}}
+    arrays.update(dy=np.asarray(rng.standard_normal(shape), jnp.bfloat16),
+                  dh=np.asarray(rng.standard_normal(shape), jnp.bfloat16))
+    plan = norm_backward_plan(family, x_info, w_info, column_block=column_block)
+    assert plan.launches[0].constexprs["FULL_CHUNKS"] is True, "the row sums come first, on whole chunks"
+    needed = {name: arrays[name] for name in plan.inputs}
+    got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in needed.items()})
+    got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in needed.items()})
     for name, t, j in zip(plan.outputs, got_torch, got_jax):
         assert_parity(as_numpy(t), np.asarray(j), name)
