@@ -9,7 +9,8 @@ loads marked evict_last, sweep 2's evict_first and the gradient's stores streame
 L2. The fifth session's persistent grid lost (1.806 against 1.660), but it had no prefetch in sweep 1 and no
 hints. This probe times the loss + in-place gradient (mean over rows, no ignored rows, bf16) of:
 
-- ``library``: the library's kernel at its default launch;
+- ``library``: the library's plan at its default launch (the row kernel, and two launches of a few microseconds
+  for the mean's denominator and the sum);
 - ``rows``: this probe's kernel, one program per row;
 - ``P=k``: this probe's kernel on k programs an SM looping over rows;
 
@@ -136,15 +137,18 @@ def sweep(n, v, out):
 
 def _configs():
     """(programs an SM or 0 for one a row, block, warps, hints, held columns), most telling first."""
-    for programs in (1, 2, 0):
+    def launches(programs):
         for block, warps in LAUNCHES:
-            if programs and block < 4096 or not programs and warps > 16:
-                continue
-            for hints in HINTS:
-                yield programs, block, warps, hints, 0
+            if not (programs and block < 4096 or not programs and warps > 16):
+                for hints in HINTS:
+                    yield programs, block, warps, hints, 0
+
+    yield from launches(1)
     for hold in (16384, 32768, 65536):
         for hints in ("none", "last/first/cs"):
             yield 1, 4096, 32, hints, hold
+    yield from launches(0)
+    yield from launches(2)  # two 32-warp programs do not fit an SM's registers: the second waits
 
 
 def main(argv=None) -> int:
