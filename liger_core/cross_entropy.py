@@ -82,7 +82,8 @@ def _denominators_kernel(
 
 @triton.jit
 def row_softmax_stats(row_ptr, col_stride, n_cols, scale, softcap, W, w_stride, BLOCK: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+                      HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                      EVICT: tl.constexpr):
     """One read of a row of logits ``x`` (times ``scale``, through the softcap): ``(logsumexp(x), sum x,
     sum w * x, sum w)`` in fp32 (the sums only with HAS_SMOOTHING; w the class weights with HAS_WEIGHT).
 
@@ -92,20 +93,23 @@ def row_softmax_stats(row_ptr, col_stride, n_cols, scale, softcap, W, w_stride, 
     the block inside the loop: each lane keeps its own running max ``m`` and sum ``d`` of exp(x - m), updated
     with one exponential, exp(-|x - m|) (the smaller of the two over the larger: d * it + 1 when x is the new
     max, d + it otherwise). The lanes are combined once, at the end. ``m`` starts at a finite -3e38 rather
-    than -inf so that a -inf logit (or a masked lane) gives exp(-inf) = 0, not NaN."""
+    than -inf so that a -inf logit (or a masked lane) gives exp(-inf) = 0, not NaN. ``EVICT`` is the loads'
+    eviction policy ("" for none, as the library's kernels pass; scripts/tune_ce_l2.py tries ``evict_last`` for a second read from L2). An
+    empty row (``n_cols`` <= 0) gives a logsumexp of -inf."""
     offsets = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], -3.0e38, dtype=tl.float32)
     d = tl.zeros([BLOCK], dtype=tl.float32)
     sum_z = tl.zeros([BLOCK], dtype=tl.float32)
     sum_wz = tl.zeros([BLOCK], dtype=tl.float32)
     sum_w = tl.zeros([BLOCK], dtype=tl.float32)
-    x_next = tl.load(row_ptr + offsets * col_stride, mask=offsets < n_cols, other=0.0)
+    x_next = tl.load(row_ptr + offsets * col_stride, mask=offsets < n_cols, other=0.0, eviction_policy=EVICT)
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
         mask = cols < n_cols
         x = x_next.to(tl.float32) * scale
         next_cols = cols + BLOCK
-        x_next = tl.load(row_ptr + next_cols * col_stride, mask=next_cols < n_cols, other=0.0)
+        x_next = tl.load(row_ptr + next_cols * col_stride, mask=next_cols < n_cols, other=0.0,
+                         eviction_policy=EVICT)
         if HAS_SOFTCAP:
             x = softcap * tanh(x / softcap)
         z = tl.where(mask, x, float("-inf"))
@@ -171,7 +175,7 @@ def _cross_entropy_kernel(
 
     # Sweep 1: online softmax statistics, and the sums label smoothing needs.
     lse, sum_z, sum_wz, sum_w = row_softmax_stats(x_row, x_col_stride, n_cols, 1.0, softcap, W, w_stride, BLOCK_V,
-                                                  HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
+                                                  HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT, "")
 
     x_t = tl.load(x_row + t_safe * x_col_stride).to(tl.float32)
     if HAS_SOFTCAP:

@@ -161,9 +161,9 @@ def _jsd_kernel(
     lse_y = 0.0
     if FROM_LOGITS:
         lse_x = ce.row_softmax_stats(x_row, x_col_stride, n_cols, inv_temperature, 1.0, X, 0, BLOCK,
-                                     False, False, False)[0]
+                                     False, False, False, "")[0]
         lse_y = ce.row_softmax_stats(y_row, y_col_stride, n_cols, inv_temperature, 1.0, Y, 0, BLOCK,
-                                     False, False, False)[0]
+                                     False, False, False, "")[0]
 
     # Sweep 1: the loss, and the gradient (or, for logits, the row sum of the gradient).
     loss_acc = tl.zeros([BLOCK], dtype=tl.float32)

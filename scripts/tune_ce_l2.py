@@ -7,7 +7,8 @@ are in flight, so between a row's two reads the GPU moves far more than L2's 50 
 or two rows an SM (a persistent grid of P programs an SM) only 33-66 MB sit between the reads; with sweep 1's
 loads marked evict_last, sweep 2's evict_first and the gradient's stores streamed (``.cs``), the re-read may hit
 L2. The fifth session's persistent grid lost (1.806 against 1.660), but it had no prefetch in sweep 1 and no
-hints. This probe times the loss + in-place gradient (mean over rows, no ignored rows, bf16) of:
+hints. This probe times the loss + in-place gradient (mean over rows, no ignored rows, bf16; sweep 1 is the
+library's ``row_softmax_stats``, with its eviction policy set) of:
 
 - ``library``: the library's plan at its default launch (the row kernel, and two launches of a few microseconds
   for the mean's denominator and the sum);
@@ -28,7 +29,8 @@ import triton.language as tl
 import triton.testing
 
 from liger_core import cross_entropy
-from liger_core.tl_math import exp_ftz, exp_minus_abs_ftz
+from liger_core.cross_entropy import row_softmax_stats
+from liger_core.tl_math import exp_ftz
 from liger_torch._launch import info, run_plan
 
 import _gpu_tables as gpu_tables  # scripts/, the directory Python puts first on the path
@@ -51,7 +53,7 @@ def _ce_probe_kernel(X, row_stride, T, LOSS, n_rows, n_cols, inv_rows,
     the rest is swept twice."""
     first = tl.program_id(0)
     step = tl.num_programs(0) if PERSISTENT else n_rows
-    offsets = tl.arange(0, BLOCK)
+    offsets = tl.arange(0, BLOCK)  # sweep 2's
     n_blocks = tl.cdiv(tl.maximum(n_cols - HOLD, 0), BLOCK)
     for k in range(0, tl.cdiv(n_rows - first, step)):
         row = (first + k * step).to(tl.int64)
@@ -60,28 +62,16 @@ def _ce_probe_kernel(X, row_stride, T, LOSS, n_rows, n_cols, inv_rows,
         if HOLD > 0:
             held_cols = tl.arange(0, HOLD)
             held = tl.load(x_row + held_cols, mask=held_cols < n_cols, other=0.0)
-        m = tl.full([BLOCK], -3.0e38, dtype=tl.float32)
-        d = tl.zeros([BLOCK], dtype=tl.float32)
-        x_next = tl.load(x_row + HOLD + offsets, mask=HOLD + offsets < n_cols, other=0.0, eviction_policy=EV1)
-        for start in range(HOLD, n_cols, BLOCK):
-            cols = start + offsets
-            x = tl.where(cols < n_cols, x_next.to(tl.float32), float("-inf"))
-            next_cols = cols + BLOCK
-            x_next = tl.load(x_row + next_cols, mask=next_cols < n_cols, other=0.0, eviction_policy=EV1)
-            u = exp_minus_abs_ftz(x - m)
-            bigger = x > m
-            d = tl.where(bigger, d * u + 1.0, d + u)
-            m = tl.where(bigger, x, m)
-        m_row = tl.max(m, axis=0)
+        # the library's sweep 1 over the columns not held (-inf when the held head covers the row)
+        lse = row_softmax_stats(x_row + HOLD, 1, n_cols - HOLD, 1.0, 1.0, X, 0, BLOCK, False, False, False, EV1)[0]
         x_t = tl.load(x_row + t).to(tl.float32)  # before any gradient is written over the row
         if HOLD > 0:
             held_x = tl.where(held_cols < n_cols, held.to(tl.float32), float("-inf"))
-            m_row = tl.maximum(m_row, tl.max(held_x, axis=0))
-            lse = m_row + tl.log(tl.sum(d * exp_ftz(m - m_row), axis=0) + tl.sum(exp_ftz(held_x - m_row), axis=0))
+            top = tl.maximum(lse, tl.max(held_x, axis=0))
+            lse = top + tl.log(exp_ftz(lse - top) + tl.sum(exp_ftz(held_x - top), axis=0))
             held_grad = exp_ftz(held_x - lse) * inv_rows - tl.where(held_cols == t, inv_rows, 0.0)
-            tl.store(x_row + held_cols, held_grad.to(X.dtype.element_ty), mask=held_cols < n_cols, cache_modifier=STORE)
-        else:
-            lse = m_row + tl.log(tl.sum(d * exp_ftz(m - m_row), axis=0))
+            tl.store(x_row + held_cols, held_grad.to(X.dtype.element_ty), mask=held_cols < n_cols,
+                     cache_modifier=STORE)
         tl.store(LOSS + row, (lse - x_t) * inv_rows)
         for i in range(n_blocks):
             cols = HOLD + (n_blocks - 1 - i) * BLOCK + offsets
@@ -146,7 +136,7 @@ def _configs():
     yield from launches(1)
     for hold in (16384, 32768, 65536):
         for hints in ("none", "last/first/cs"):
-            yield 1, 4096, 32, hints, hold
+            yield 1, 8192, 32, hints, hold
     yield from launches(0)
     yield from launches(2)  # two 32-warp programs do not fit an SM's registers: the second waits
 
