@@ -45,6 +45,11 @@ _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
 # Programs of the backward's scale: a few per SM of any current GPU, each striding over many tiles.
 _SCALE_PROGRAMS = 1024
+# The CE sweeps from this many columns on step 8192 columns at 16 warps. H100, bf16 8192x128256, gradient stores
+# streamed (scripts/tune_ce_l2.py, benchmarks/results/h100-2026-12-07-tune_ce_l2.txt): one program a row 1.802 ms
+# at 8192/16 against 2.065 at 2048/8; a persistent grid was no better (1.778 at its best).
+_WIDE_VOCAB = 65536
+_WIDE_VOCAB_SWEEP = (8192, 16)
 
 
 @triton.jit
@@ -243,7 +248,10 @@ def _cross_entropy_kernel(
             if HAS_SOFTCAP:
                 grad = grad * (1.0 - th * th)
             grad = tl.where(valid, grad, float("nan"))
-            tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask)
+            # streamed (.cs): the gradient is read next by another kernel, not by this one, and leaving L2 to the
+            # logits' second sweep was 4-8% faster at every block size (H100, tune_ce_l2 "cs")
+            tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask,
+                     cache_modifier=".cs")
 
 
 @triton.jit
@@ -389,7 +397,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         if grad_scale.numel != n_rows:
             raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
         g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
-    bv, warps = sweep_block_and_warps(n_cols)
+    bv, warps = ce_block_and_warps(n_cols)
     return Launch(
         kernel=_cross_entropy_kernel,
         grid=(n_rows,),
@@ -410,6 +418,15 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
                     "HAS_GRAD_SCALE": grad_scale is not None},
         num_warps=warps,
     )
+
+
+def ce_block_and_warps(n_cols: int) -> tuple[int, int]:
+    """(columns per step, num_warps) of the CE row sweeps: the library's row sweep, but 8192 columns at 16 warps
+    on vocabularies of 64k and more, where fewer, longer steps (16 values a thread) beat 2048 at 8 warps with
+    streamed gradient stores."""
+    if n_cols >= _WIDE_VOCAB:
+        return _WIDE_VOCAB_SWEEP
+    return sweep_block_and_warps(n_cols)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments

@@ -102,6 +102,27 @@ def test_vocab_over_several_blocks(option, device, seed):
     assert_close(dx * 4, dx_ref * 4, torch.float32, "dlogits")
 
 
+@pytest.mark.parametrize("option", ["plain", "everything"])
+def test_wide_vocab_steps(option, device, seed):
+    """From 64k columns the row kernel steps 8192 columns at 16 warps (cross_entropy.ce_block_and_warps); 65541 is
+    eight whole steps and a 5-column ninth, with the row max and a target in the partial one."""
+    v = 65541
+    assert liger_core.cross_entropy.ce_block_and_warps(v) == (8192, 16)
+    assert liger_core.cross_entropy.ce_block_and_warps(v - 6) == liger_core.launch.sweep_block_and_warps(v - 6)
+    x, t, w, gen = draw(seed, 3, v, torch.float32, ignore_fraction=0.0, device=device)
+    opts = dict(OPTIONS[option])
+    if opts.pop("weight", False):
+        opts["weight"] = w
+    x = x * 3
+    x[1, v - 2] = 60.0
+    t[2] = v - 1
+    g = incoming(None, "none", gen, 3, device)
+    (loss,), dx = run(lambda a, b: (liger_torch.cross_entropy(a, b, reduction="none", **opts),), x, t, g)
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, reduction="none", **opts), x, t, g.double())
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    assert_close(dx, dx_ref, torch.float32, "dlogits")
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("option", ["plain", "weight_smoothing", "everything"])
 def test_all_rows_ignored_gives_zero_loss_and_gradient(reduction, option, device, seed):
