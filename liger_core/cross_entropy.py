@@ -45,11 +45,13 @@ _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
 # Programs of the backward's scale: a few per SM of any current GPU, each striding over many tiles.
 _SCALE_PROGRAMS = 1024
-# The CE sweeps from this many columns on step 8192 columns at 16 warps. H100, bf16 8192x128256, gradient stores
-# streamed (scripts/tune_ce_l2.py, benchmarks/results/h100-2026-12-07-tune_ce_l2.txt): one program a row 1.802 ms
-# at 8192/16 against 2.065 at 2048/8; a persistent grid was no better (1.778 at its best).
-_WIDE_VOCAB = 65536
-_WIDE_VOCAB_SWEEP = (8192, 16)
+# (from columns, (columns per step, num_warps)) of the CE row sweeps, widest first; narrower rows take the library's
+# row sweep (2048 at 8 warps). H100, bf16, one program a row, gradient stores streamed (the library's plan at each
+# launch, benchmarks/results/h100-2026-12-07-tune_ce_library*.txt, measured with a `tune_ce_l2.py --library` since
+# folded into scripts/tune_row_kernels.py, which sweeps the same launches): 8192x128256 1.816 ms at 8192/16 against
+# 2.084 at 2048/8 (a persistent grid was no better: 1.778 at its best); 8192x65536 0.861 against 1.023;
+# 16384x32000 0.831 at 4096/8 against 0.854 at 8192/16 and 0.926 at 2048/8.
+_CE_SWEEPS = ((65536, (8192, 16)), (32000, (4096, 8)))
 
 
 @triton.jit
@@ -249,7 +251,7 @@ def _cross_entropy_kernel(
                 grad = grad * (1.0 - th * th)
             grad = tl.where(valid, grad, float("nan"))
             # streamed (.cs): the gradient is read next by another kernel, not by this one, and leaving L2 to the
-            # logits' second sweep was 4-8% faster at every block size (H100, tune_ce_l2 "cs")
+            # logits' second sweep was 2-8% faster at every block size (H100, tune_ce_l2 "cs")
             tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask,
                      cache_modifier=".cs")
 
@@ -421,11 +423,11 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
 
 
 def ce_block_and_warps(n_cols: int) -> tuple[int, int]:
-    """(columns per step, num_warps) of the CE row sweeps: the library's row sweep, but 8192 columns at 16 warps
-    on vocabularies of 64k and more, where fewer, longer steps (16 values a thread) beat 2048 at 8 warps with
-    streamed gradient stores."""
-    if n_cols >= _WIDE_VOCAB:
-        return _WIDE_VOCAB_SWEEP
+    """(columns per step, num_warps) of the CE row sweeps: longer steps on wider rows (_CE_SWEEPS), where fewer
+    steps of more values a thread keep more bytes in flight per SM than 2048-column ones."""
+    for from_cols, sweep in _CE_SWEEPS:
+        if n_cols >= from_cols:
+            return sweep
     return sweep_block_and_warps(n_cols)
 
 

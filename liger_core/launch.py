@@ -237,7 +237,8 @@ def warps_for(elements: int, max_warps: int = 16) -> int:
 # scripts/tune_row_kernels.py, benchmarks/results/h200-2026-12-03-tune_row_kernels.txt): CE loss+grad 1.615 ms
 # against 1.709 at 4096/8 and 1.698 at 8192/16; JSD loss+grad 1.864 against 1.964 at 4096/8; the KL forward's
 # chunks: h200-2026-12-04-tune_kl_div_chunks.txt. Small blocks with many warps keep more loads in flight per SM
-# than a few large blocks.
+# than a few large blocks. (CE has since taken longer steps on wide rows, with streamed gradient stores:
+# cross_entropy._CE_SWEEPS.)
 _SWEEP_BLOCK = 2048
 
 

@@ -15,15 +15,14 @@ library's ``row_softmax_stats``, with its eviction policy set) of:
 - ``rows``: this probe's kernel, one program per row;
 - ``P=k``: this probe's kernel on k programs an SM looping over rows;
 
-at several (block, warps) and hint sets, and checks each against the library's loss and gradient. With
-``--library`` it times only the library's plan, its row kernel's (block, warps) replaced by each of LAUNCHES (the
-first run, H100 2026-12-07, put one program a row at 8192/16 with streamed stores ahead; the library took that).
+at several (block, warps) and hint sets, and checks each against the library's loss and gradient. (First run,
+H100 2026-12-07: no L2 reuse worth a persistent grid, but longer steps with streamed stores won on one program a
+row; the library took them: cross_entropy._CE_SWEEPS.)
 
-    python3 scripts/tune_ce_l2.py [--shapes 8192x128256] [--library] [--out FILE]
+    python3 scripts/tune_ce_l2.py [--shapes 8192x128256] [--out FILE]
 """
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -128,35 +127,6 @@ def sweep(n, v, out):
             out(f"{label}  failed: {type(e).__name__}: {str(e)[:80]}")
 
 
-def _with_sweep(plan, block, warps):
-    """The plan with its CE row kernel stepping ``block`` columns at ``warps`` warps."""
-    def swap(launch):
-        if launch.kernel is not cross_entropy._cross_entropy_kernel:
-            return launch
-        return dataclasses.replace(launch, constexprs={**launch.constexprs, "BLOCK_V": block}, num_warps=warps)
-    return dataclasses.replace(plan, launches=tuple(swap(launch) for launch in plan.launches))
-
-
-def library_sweep(n, v, out):
-    """The library's own plan at each of LAUNCHES (checked against its default first), one program a row."""
-    unit_ms = n * v * 2 / (COPY_GBPS * 1e9) * 1e3
-    out(f"{n}x{v}: the library's plan; floor {2 * unit_ms:.3f} ms at the H200's copy rate")
-    out(f"{'block':>7}{'warps':>6}{'ms':>8}{'of floor':>10}")
-    x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 4
-    target = torch.randint(0, v, (n,), device="cuda")
-    plan = cross_entropy.forward_plan(info(x), info(target), reduction="mean", compute_grad=True, in_place=True)
-    small, small_target = x[:512].clone(), target[:512]
-    small_plan = cross_entropy.forward_plan(info(small), info(small_target), reduction="mean", compute_grad=True)
-    ref_loss, ref_grad = run_plan(small_plan, logits=small, target=small_target)
-    for block, warps in LAUNCHES:
-        loss, grad = run_plan(_with_sweep(small_plan, block, warps), logits=small, target=small_target)
-        torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=1e-5, atol=0.0)
-        torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=1e-2, atol=1e-7)
-        variant = _with_sweep(plan, block, warps)
-        ms = triton.testing.do_bench(lambda: run_plan(variant, logits=x, target=target), return_mode="median")
-        out(f"{block:>7}{warps:>6}{ms:>8.3f}{2 * unit_ms / ms:>10.2f}")
-
-
 def _configs():
     """(programs an SM or 0 for one a row, block, warps, hints, held columns), most telling first."""
     def launches(programs):
@@ -176,7 +146,6 @@ def _configs():
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["8192x128256"])
-    parser.add_argument("--library", action="store_true", help="time only the library's plan at each launch")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
 
@@ -184,7 +153,7 @@ def main(argv=None) -> int:
         out(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
         for shape in args.shapes:
             n, v = (int(s) for s in shape.split("x"))
-            (library_sweep if args.library else sweep)(n, v, out)
+            sweep(n, v, out)
             torch.cuda.empty_cache()
 
     return gpu_tables.run("tune_ce_l2", args.out, tables)
