@@ -43,10 +43,12 @@ _FORWARD_TILE = 4096
 # 16384 x 16384 0.314 ms two rows a program against 0.451 one (RMSNorm, 122 registers, two programs an SM: 0.259);
 # benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt.
 _WIDE_FORWARD_TILE = 32768
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 4096-column chunks at 8 warps, no prefetch (48 registers,
-# five programs an SM). H200 bf16: 4096 x 65536 0.412 ms against 0.437 for 8192-column chunks at 16 warps, 4096 x
-# 32768 0.203 against 0.223 (same file).
-_CHUNKED = ChunkedSweep(chunk=4096, num_warps=8, prefetch=False)
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 16384-column chunks at 16 warps, the next chunk's load
+# issued first. Since the nineteenth session's whole chunks and plain-sum moments (fewer instructions an element),
+# long chunks win: H100 bf16 4096 x 65536 0.433 ms against 0.514-0.520 at the earlier 4096 x 8 warps, twice
+# (benchmarks/results/h100-2026-12-07-tune_rows_fwd.txt and h100-80gb-hbm3-2026-12-07-ab_norm_forward.md). The
+# H200 chose 4096 x 8 before those changes (0.412 against 0.437 at 8192 x 16: h200-2026-12-06-tune_wide_fwd.txt).
+_CHUNKED = ChunkedSweep(chunk=16384, num_warps=16, prefetch=True)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 # A reloaded wide tile (one row over _BACKWARD_TILE columns) at 8 warps: H200, 4096 x 16384, 0.180 ms against
