@@ -43,12 +43,18 @@ _FORWARD_TILE = 4096
 # 16384 x 16384 0.314 ms two rows a program against 0.451 one (RMSNorm, 122 registers, two programs an SM: 0.259);
 # benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt.
 _WIDE_FORWARD_TILE = 32768
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 16384-column chunks at 16 warps, the next chunk's load
-# issued first. Since the nineteenth session's whole chunks and plain-sum moments (fewer instructions an element),
-# long chunks win: H100 bf16 4096 x 65536 0.433 ms against 0.514-0.520 at the earlier 4096 x 8 warps, twice
-# (benchmarks/results/h100-2026-12-07-tune_rows_fwd.txt and h100-80gb-hbm3-2026-12-07-ab_norm_forward.md). The
-# H200 chose 4096 x 8 before those changes (0.412 against 0.437 at 8192 x 16: h200-2026-12-06-tune_wide_fwd.txt).
-_CHUNKED = ChunkedSweep(chunk=16384, num_warps=16, prefetch=True)
+# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS), by width, widest first: (from columns, launch). Since
+# the nineteenth session's whole chunks and plain-sum moments (fewer instructions an element) long chunks win on
+# wide rows, but a partial last chunk of 16384 wastes too much on narrower ones. H100 bf16 (benchmarks/results/
+# h100-2026-12-07-tune_rows_fwd.txt, -tune_ln_fwd.txt): 4096 x 65536 0.433 ms at 16384 x 16 warps with prefetch
+# against 0.514-0.520 at 4096 x 8 (twice); 4096 x 32768 0.205 at 8192 x 16 without, against 0.239 at 4096 x 8 and
+# 0.245 at 16384 x 16; 4096 x 20496 0.137-0.140 at 4096, against 0.161 at 8192 and 0.222 at 16384. (The H200
+# chose 4096 x 8 before those changes: 0.412 against 0.437 at 8192 x 16, h200-2026-12-06-tune_wide_fwd.txt.)
+_CHUNKED_BY_WIDTH = (
+    (65536, ChunkedSweep(chunk=16384, num_warps=16, prefetch=True)),
+    (32768, ChunkedSweep(chunk=8192, num_warps=16, prefetch=False)),
+    (0, ChunkedSweep(chunk=4096, num_warps=8, prefetch=False)),
+)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 # A reloaded wide tile (one row over _BACKWARD_TILE columns) at 8 warps: H200, 4096 x 16384, 0.180 ms against
@@ -369,10 +375,14 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
          NewBuffer("rstd", x.shape[:-1], "float32")),
         {"HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias}, n_rows, n_cols, tile_elements=_forward_tile(n_cols),
-        chunked=_CHUNKED, block_m=block_m, num_warps=num_warps, chunk=chunk, prefetch=prefetch,
+        chunked=_chunked_sweep(n_cols), block_m=block_m, num_warps=num_warps, chunk=chunk, prefetch=prefetch,
         full_chunks_override=full_chunks, full_row_flag=True)
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
+
+
+def _chunked_sweep(n_cols: int) -> ChunkedSweep:
+    return next(sweep for from_cols, sweep in _CHUNKED_BY_WIDTH if n_cols >= from_cols)
 
 
 def _forward_tile(n_cols: int) -> int:

@@ -329,6 +329,24 @@ def test_chunked_forward_against_reference(shape, chunk, params, dtype, device, 
 
 
 
+
+@pytest.mark.parametrize("n_cols,chunk,warps,prefetch", [(20496, 4096, 8, False), (32768, 8192, 16, False),
+                                                         (65541, 16384, 16, True)])
+def test_default_chunked_launch_by_width(n_cols, chunk, warps, prefetch, device, seed):
+    """Past 16384 columns the forward's chunk grows with the row (layer_norm._CHUNKED_BY_WIDTH); each default is
+    right on its own width, the widest with a 5-column partial last chunk."""
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, w, b, _ = draw(seed, (2, n_cols), torch.float32, device=device)
+    plan = core.forward_plan(info(x), info(w), info(b), eps=1e-5)
+    (launch,) = plan.launches
+    assert (launch.constexprs["CHUNK"], launch.num_warps, launch.constexprs["PREFETCH"]) == (chunk, warps, prefetch)
+    y, mean, rstd = run_plan(plan, x=x, weight=w, bias=b)
+    assert_close(y, reference(x, w, b, 1e-5), torch.float32, "y")
+    assert_close(rstd, (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
+
+
 @pytest.mark.parametrize("outlier", [1e4, -3e3])
 def test_chunked_forward_outliers(outlier, device, seed):
     """Outliers of 1e3-1e4 spreads (LLM activations have such channels) in a quarter of the chunked forward's
