@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .tl_math import aligned, cast, chunk_columns, exp_ftz, exp_minus_abs_ftz, tanh
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, cdiv, check_float, check_int, check_nonempty,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, by_width, cdiv, check_float, check_int, check_nonempty,
     contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
 )
 from .rowwise import row_view
@@ -103,8 +103,8 @@ def row_softmax_stats(row_ptr, col_stride, n_cols, scale, softcap, W, w_stride, 
     with one exponential, exp(-|x - m|) (the smaller of the two over the larger: d * it + 1 when x is the new
     max, d + it otherwise). The lanes are combined once, at the end. ``m`` starts at a finite -3e38 rather
     than -inf so that a -inf logit (or a masked lane) gives exp(-inf) = 0, not NaN. ``EVICT`` is the loads'
-    eviction policy ("" for none, as the library's kernels pass; scripts/tune_ce_l2.py tries ``evict_last`` for a second read from L2). An
-    empty row (``n_cols`` <= 0) gives a logsumexp of -inf."""
+    eviction policy ("" for none, as the library's kernels pass; scripts/tune_ce_l2.py tries ``evict_last`` for a
+    second read from L2). An empty row (``n_cols`` <= 0) gives a logsumexp of -inf."""
     offsets = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], -3.0e38, dtype=tl.float32)
     d = tl.zeros([BLOCK], dtype=tl.float32)
@@ -428,10 +428,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
 def ce_block_and_warps(n_cols: int, in_place: bool) -> tuple[int, int]:
     """(columns per step, num_warps) of the CE row sweeps: longer steps on wider rows (_CE_SWEEPS), where fewer
     steps of more values a thread keep more bytes in flight per SM than 2048-column ones."""
-    for from_cols, sweep in _CE_SWEEPS[bool(in_place)]:
-        if n_cols >= from_cols:
-            return sweep
-    return sweep_block_and_warps(n_cols)
+    return by_width(_CE_SWEEPS[bool(in_place)], n_cols) or sweep_block_and_warps(n_cols)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments

@@ -242,6 +242,12 @@ def warps_for(elements: int, max_warps: int = 16) -> int:
 _SWEEP_BLOCK = 2048
 
 
+def by_width(table, n_cols: int, default=None):
+    """The launch of the first ``(from_columns, launch)`` entry of ``table`` (widest first) that ``n_cols``
+    reaches, else ``default``: a tuned launch that changes with the row's width."""
+    return next((launch for from_columns, launch in table if n_cols >= from_columns), default)
+
+
 def sweep_block_and_warps(n_cols: int) -> tuple[int, int]:
     """(elements per step, num_warps) of a row sweep over ``n_cols`` columns."""
     block = min(_SWEEP_BLOCK, next_power_of_2(n_cols))

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .tl_math import aligned, cast, chunk_columns
 from .launch import (
-    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_float, check_nonempty,
+    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, by_width, check_eps, check_float, check_nonempty,
     promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
@@ -375,14 +375,10 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
          NewBuffer("rstd", x.shape[:-1], "float32")),
         {"HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias}, n_rows, n_cols, tile_elements=_forward_tile(n_cols),
-        chunked=_chunked_sweep(n_cols), block_m=block_m, num_warps=num_warps, chunk=chunk, prefetch=prefetch,
-        full_chunks_override=full_chunks, full_row_flag=True)
+        chunked=by_width(_CHUNKED_BY_WIDTH, n_cols), block_m=block_m, num_warps=num_warps, chunk=chunk,
+        prefetch=prefetch, full_chunks_override=full_chunks, full_row_flag=True)
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
-
-
-def _chunked_sweep(n_cols: int) -> ChunkedSweep:
-    return next(sweep for from_cols, sweep in _CHUNKED_BY_WIDTH if n_cols >= from_cols)
 
 
 def _forward_tile(n_cols: int) -> int:

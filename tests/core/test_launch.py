@@ -147,3 +147,11 @@ def test_torch_copies_a_view_whose_columns_span_2_31_elements():
     assert rowwise(huge).is_contiguous()
     kept = torch.empty((4096, 500_000), device="meta", dtype=torch.bfloat16).t()
     assert rowwise(kept).stride() == (1, 500_000)
+
+
+def test_by_width_takes_the_first_entry_the_row_reaches():
+    from liger_core.launch import by_width
+
+    table = ((65536, "wide"), (32000, "mid"))
+    assert [by_width(table, n) for n in (65536, 70000, 65535, 32000)] == ["wide", "wide", "mid", "mid"]
+    assert by_width(table, 31999) is None and by_width(table, 31999, "narrow") == "narrow"
