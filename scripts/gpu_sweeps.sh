@@ -16,3 +16,7 @@ step 100 tune_ce_rows python3 scripts/tune_row_kernels.py --kernels cross_entrop
   --out "$OUT/tune_ce_rows.txt"
 step 120 tune_rms_fwd python3 scripts/tune_norm_forward.py --shapes 4096x32768 4096x20496 \
   --families rms_norm fused_add_rms_norm --out "$OUT/tune_rms_fwd.txt"
+# The CE probe ran on an H100 only; on an H200 it says whether longer steps and streamed stores win there too.
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  step 100 tune_ce_l2 python3 scripts/tune_ce_l2.py --out "$OUT/tune_ce_l2.txt"
+fi
