@@ -45,15 +45,16 @@ _COUNT_BLOCK = 1024
 _SCALE_BLOCK = 4096
 # Programs of the backward's scale: a few per SM of any current GPU, each striding over many tiles.
 _SCALE_PROGRAMS = 1024
-# (from columns, (columns per step, num_warps)) of the CE row sweeps, widest first, with the gradient written over
-# the logits or into its own buffer; narrower rows take the library's row sweep (2048 at 8 warps). H100, bf16, one
-# program a row, gradient stores streamed (benchmarks/results/h100-2026-12-07-tune_ce_library*.txt, in place,
-# measured with a `tune_ce_l2.py --library` since folded into scripts/tune_row_kernels.py; -tune_row_kernels.txt,
-# out of place): 8192x128256 in place 1.816 ms at 8192/16 against 2.084 at 2048/8 (a persistent grid was no
-# better: 1.778 at its best), out of place 1.990 against 2.119; 8192x65536 in place 0.861 against 1.023;
-# 16384x32000 in place 0.831 at 4096/8 against 0.854 at 8192/16 and 0.926 at 2048/8, out of place 0.857 at
-# 8192/16 against 0.931 at 4096/8.
-_CE_SWEEPS = {True: ((65536, (8192, 16)), (32000, (4096, 8))), False: ((32000, (8192, 16)),)}
+# (from columns, (columns per step, num_warps)) of the CE row sweeps, widest first; narrower rows take the library's
+# row sweep (2048 at 8 warps). One table whether the gradient is written over the logits or into its own buffer,
+# so that both frontends (torch out of place by default, jax in place) launch the same steps and agree bit for
+# bit. H100, bf16, one program a row, gradient stores streamed (benchmarks/results/h100-2026-12-07-tune_ce_library
+# *.txt, in place, measured with a `tune_ce_l2.py --library` since folded into scripts/tune_row_kernels.py;
+# -tune_row_kernels.txt, out of place): 8192x128256 in place 1.816 ms at 8192/16 against 2.084 at 2048/8 (a
+# persistent grid was no better: 1.778 at its best), out of place 1.990 against 2.119; 8192x65536 in place 0.861
+# against 1.023; 16384x32000 out of place 0.857 at 8192/16 against 0.931 at 4096/8 and 1.025 at 2048/8, in place
+# 0.854 against 0.926 at 2048/8 (4096/8's 0.831 would win there by 3%, and lose 8% out of place).
+_CE_SWEEPS = ((32000, (8192, 16)),)
 
 
 @triton.jit
@@ -386,8 +387,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
     mean = reduction == "mean"
     # Writing the gradient over the logits is safe only when their rows do not overlap.
     dense = col_stride == 1 and (n_rows == 1 or row_stride >= n_cols)
-    writes_over_logits = compute_grad and in_place and dense
-    if writes_over_logits:
+    if compute_grad and in_place and dense:
         grad = NewBuffer("grad", logits.shape, logits.dtype, alias="logits")
         grad_row_stride, grad_col_stride = row_stride, col_stride
     elif compute_grad:
@@ -402,7 +402,7 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         if grad_scale.numel != n_rows:
             raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
         g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
-    bv, warps = ce_block_and_warps(n_cols, writes_over_logits)
+    bv, warps = ce_block_and_warps(n_cols)
     return Launch(
         kernel=_cross_entropy_kernel,
         grid=(n_rows,),
@@ -425,10 +425,10 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
     )
 
 
-def ce_block_and_warps(n_cols: int, in_place: bool) -> tuple[int, int]:
+def ce_block_and_warps(n_cols: int) -> tuple[int, int]:
     """(columns per step, num_warps) of the CE row sweeps: longer steps on wider rows (_CE_SWEEPS), where fewer
     steps of more values a thread keep more bytes in flight per SM than 2048-column ones."""
-    return by_width(_CE_SWEEPS[bool(in_place)], n_cols) or sweep_block_and_warps(n_cols)
+    return by_width(_CE_SWEEPS, n_cols) or sweep_block_and_warps(n_cols)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments

@@ -88,7 +88,7 @@ def test_forward_backward(n, v, reduction, option, dtype, device, seed):
 @pytest.mark.parametrize("option", ["plain", "everything"])
 def test_vocab_over_several_blocks(option, device, seed):
     """V larger than one block (32003, not a power of two): the online softmax rescales across blocks."""
-    assert liger_core.cross_entropy.ce_block_and_warps(32003, in_place=False)[0] < 32003
+    assert liger_core.cross_entropy.ce_block_and_warps(32003)[0] < 32003
     x, t, w, gen = draw(seed, 4, 32003, torch.float32, ignore_fraction=0.0, device=device)
     opts = dict(OPTIONS[option])
     if opts.pop("weight", False):
@@ -102,23 +102,20 @@ def test_vocab_over_several_blocks(option, device, seed):
     assert_close(dx * 4, dx_ref * 4, torch.float32, "dlogits")
 
 
-def test_row_sweep_launch_by_width_and_mode():
-    """Longer steps on wider rows (cross_entropy._CE_SWEEPS): in place from 32000 and 65536 columns, into a
-    gradient buffer of its own from 32000; the library's row sweep below."""
+def test_row_sweep_launch_by_width():
+    """Longer steps from 32000 columns (cross_entropy._CE_SWEEPS); the library's row sweep below."""
     from liger_core.cross_entropy import ce_block_and_warps
 
-    library = liger_core.launch.sweep_block_and_warps
-    assert ce_block_and_warps(65541, in_place=True) == ce_block_and_warps(65541, in_place=False) == (8192, 16)
-    assert ce_block_and_warps(65535, in_place=True) == ce_block_and_warps(32000, in_place=True) == (4096, 8)
-    assert ce_block_and_warps(32000, in_place=False) == (8192, 16)
-    assert ce_block_and_warps(31999, in_place=True) == ce_block_and_warps(31999, in_place=False) == library(31999)
+    assert ce_block_and_warps(65541) == ce_block_and_warps(32000) == (8192, 16)
+    assert ce_block_and_warps(31999) == liger_core.launch.sweep_block_and_warps(31999)
 
 
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("option", ["plain", "everything"])
 def test_wide_vocab_steps(option, in_place, device, seed):
     """65541 columns: 8192-column steps at 16 warps, eight whole and a 5-column ninth, with the row max and a target
-    in the partial one; the plan's launch is checked, so the test runs the path it names."""
+    in the partial one, the gradient in place or in its own buffer; the plan's launch is checked, so the test runs
+    the path it names."""
     from liger_torch._launch import info
 
     v = 65541

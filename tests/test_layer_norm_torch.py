@@ -328,8 +328,6 @@ def test_chunked_forward_against_reference(shape, chunk, params, dtype, device, 
     assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
 
-
-
 @pytest.mark.parametrize("n_cols,chunk,warps,prefetch", [(20496, 4096, 8, False), (32768, 8192, 16, False),
                                                          (65541, 16384, 16, True)])
 def test_default_chunked_launch_by_width(n_cols, chunk, warps, prefetch, device, seed):

@@ -64,3 +64,26 @@ def test_column_split_backward_parity(family, column_block, device, seed):
     got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in needed.items()})
     for name, t, j in zip(plan.outputs, got_torch, got_jax):
         assert_parity(as_numpy(t), np.asarray(j), name)
+
+
+@pytest.mark.parametrize("n_cols,chunk", [(32768, 8192), (65541, 16384)])
+def test_layer_norm_wide_default_forward_parity(n_cols, chunk, device, seed):
+    """LayerNorm's chunked forward at its default launch by width (layer_norm._CHUNKED_BY_WIDTH: 8192-column chunks
+    from 32768 columns, 16384 with prefetch from 65536, here with a 5-column partial last chunk) through both
+    launchers, bit for bit."""
+    from liger_core import layer_norm
+    from liger_core.launch import ArrayInfo
+    from liger_jax._launch import run_plan as run_jax
+    from liger_torch._launch import run_plan as run_torch
+
+    rng = np.random.default_rng(seed)
+    shape = (2, n_cols)
+    x, w, b = (np.asarray(rng.standard_normal(s) * 2 + 0.5, jnp.bfloat16) for s in (shape, n_cols, n_cols))
+    vector = ArrayInfo.contiguous((n_cols,), "bfloat16")
+    plan = layer_norm.forward_plan(ArrayInfo.contiguous(shape, "bfloat16"), vector, vector, eps=1e-5)
+    assert plan.launches[0].constexprs["CHUNK"] == chunk
+    inputs = dict(x=x, weight=w, bias=b)
+    got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in inputs.items()})
+    got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in inputs.items()})
+    for name, t, j in zip(plan.outputs, got_torch, got_jax):
+        assert_parity(as_numpy(t), np.asarray(j), name)

@@ -47,3 +47,27 @@ def test_cross_entropy_parity(reduction, option, dtype, device, seed):
     (dx_j,) = vjp((jnp.asarray(g), jnp.zeros_like(z_j)))
     for name, a, b in (("loss", loss_t, loss_j), ("z_loss", z_t, z_j), ("dx", xt.grad, dx_j)):
         assert_parity(as_numpy(a), np.asarray(b), name)
+
+
+@pytest.mark.parametrize("option", ["plain", "z_softcap"])
+def test_wide_vocab_parity(option, device, seed):
+    """32003 columns: the row kernel's 8192-column steps at 16 warps (cross_entropy._CE_SWEEPS), which both
+    frontends launch whether the gradient goes over the logits (jax) or into its own buffer (torch's default)."""
+    from liger_core.cross_entropy import ce_block_and_warps
+
+    rng = np.random.default_rng(seed)
+    n, v = 3, 32003
+    assert ce_block_and_warps(v) == (8192, 16)
+    x = np.asarray(rng.standard_normal((n, v)) * 3, jnp.float32)
+    labels = np.asarray([v - 1, 5, -100], np.int32)  # a target in the partial last step, an ignored row
+    g = np.asarray(rng.standard_normal(n), jnp.float32)
+    opts = OPTIONS[option]
+
+    xt = to_torch(x, device).requires_grad_(True)
+    loss_t = liger_torch.cross_entropy(xt, to_torch(labels, device).long(), reduction="none", **opts)
+    loss_t.backward(to_torch(g, device))
+    loss_j, vjp = jax.vjp(jax.jit(lambda a: liger_jax.cross_entropy(a, jnp.asarray(labels), reduction="none",
+                                                                     **opts)), jnp.asarray(x))
+    (dx_j,) = vjp(jnp.asarray(g))
+    assert_parity(as_numpy(loss_t), np.asarray(loss_j), "loss")
+    assert_parity(as_numpy(xt.grad), np.asarray(dx_j), "dx")
