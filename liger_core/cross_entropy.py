@@ -32,8 +32,8 @@ import triton.language as tl
 
 from .tl_math import aligned, cast, chunk_columns, exp_ftz, exp_minus_abs_ftz, tanh
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, by_width, cdiv, check_float, check_int, check_nonempty,
-    contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, by_width, cdiv, check_float, check_int, check_last_axis_span,
+    check_nonempty, contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
 )
 from .rowwise import row_view
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
@@ -327,6 +327,7 @@ def check_class_weight(weight: ArrayInfo | None, n_classes: int, name: str = "we
     check_float(weight, name)
     if tuple(weight.shape) != (n_classes,):
         raise ValueError(f"{name} must have shape ({n_classes},) (one weight per class), got {weight.shape}")
+    check_last_axis_span(weight, name)
 
 
 def target_stride(target: ArrayInfo, name: str = "target") -> int:

@@ -32,10 +32,10 @@ import functools
 import triton
 import triton.language as tl
 
-from .tl_math import aligned, cast, exp_ftz, log_approx
+from .tl_math import aligned, cast, exp_ftz, log_approx, row_and_block
 from .launch import (
     ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, check_same_shape,
-    next_power_of_2, promote, sweep_block_and_warps, warps_for,
+    next_power_of_2, promote, rows_by_blocks_grid, sweep_block_and_warps, warps_for,
 )
 from . import cross_entropy as ce
 from .reduce import sum_partials_launch
@@ -58,7 +58,7 @@ def _kl_div_forward_kernel(
     n_rows, n_cols, scale, grad_scale,
     OUT, GRAD,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, LOG_TARGET: tl.constexpr, ELEMENTWISE: tl.constexpr,
-    HAS_GRAD: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_GRAD: tl.constexpr, FLAT_GRID: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Program (row, chunk) takes columns ``chunk * CHUNK ...`` of its row in steps of ``BLOCK``: writes their
     pointwise terms (``ELEMENTWISE``) or their sum times ``scale`` to ``OUT[chunk, row]`` (fp32, chunk-major: the
@@ -67,8 +67,7 @@ def _kl_div_forward_kernel(
     x_row_stride = aligned(x_row_stride, ALIGN)
     y_row_stride = aligned(y_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    row, chunk = row_and_block(tl.cdiv(n_cols, CHUNK), FLAT_GRID)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + start + tl.arange(0, BLOCK)
@@ -102,13 +101,13 @@ def _kl_div_backward_kernel(
     G, g_row_stride, g_col_stride,
     n_cols, scale,
     DX,
-    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr, LOG_TARGET: tl.constexpr, FLAT_GRID: tl.constexpr, ALIGN: tl.constexpr,
 ):
     y_row_stride = aligned(y_row_stride, ALIGN)
     g_row_stride = aligned(g_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, block = row_and_block(tl.cdiv(n_cols, BLOCK), FLAT_GRID)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     y = tl.load(Y + row * y_row_stride + cols * y_col_stride, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * g_row_stride + cols * g_col_stride, mask=mask, other=0.0).to(tl.float32)
@@ -160,14 +159,15 @@ def _forward_launches(x: ArrayInfo, target: ArrayInfo, reduction: str, log_targe
         out = NewBuffer("loss_parts", (n_chunks, n_rows), "float32")
     has_grad = grad_scale is not None
     grad = NewBuffer("grad", x.shape, x.dtype) if has_grad else NewBuffer("grad_unused", (1,), x.dtype)
+    grid, flat = rows_by_blocks_grid(n_rows, n_chunks)
     main = Launch(
         kernel=_kl_div_forward_kernel,
-        grid=(n_rows, n_chunks),
+        grid=grid,
         args=(Buf("input"), x_row_stride, x_col_stride, Buf("target"), y_row_stride, y_col_stride,
               n_rows, n_cols, _scale(x, reduction), float(grad_scale) if has_grad else 0.0),
         outputs=(out, grad),
         constexprs={"BLOCK": step, "CHUNK": chunk, "LOG_TARGET": bool(log_target), "ELEMENTWISE": elementwise,
-                    "HAS_GRAD": has_grad},
+                    "HAS_GRAD": has_grad, "FLAT_GRID": flat},
         num_warps=warps,
     )
     if elementwise or n_chunks == 1:
@@ -201,7 +201,7 @@ def forward_plan(x: ArrayInfo, target: ArrayInfo, *, reduction: str = "mean", lo
                                  _scale(x, reduction) if compute_grad else None, chunk)
     if reduction == "none":
         return Plan(inputs=("input", "target"), launches=launches, outputs=("loss",))
-    n_rows = launches[0].grid[0]
+    n_rows = row_view(x, x_name)[0]
     total = sum_partials_launch("loss_rows", "loss", 1, n_rows, 1, output_dtype(x, target), out_shape=())
     return Plan(inputs=("input", "target"), launches=launches + (total,),
                 outputs=("loss", "grad") if compute_grad else ("loss",))
@@ -242,13 +242,14 @@ def backward_plan(grad_output: ArrayInfo, x: ArrayInfo, target: ArrayInfo, *, re
             raise ValueError(f"grad_output must be a scalar for reduction={reduction!r}, got {grad_output.shape}")
         g_row_stride = g_col_stride = 0
     block = min(_BACKWARD_BLOCK, next_power_of_2(n_cols))
+    grid, flat = rows_by_blocks_grid(n_rows, cdiv(n_cols, block))
     launch = Launch(
         kernel=_kl_div_backward_kernel,
-        grid=(n_rows, cdiv(n_cols, block)),
+        grid=grid,
         args=(Buf("target"), y_row_stride, y_col_stride, Buf("grad_output"), g_row_stride, g_col_stride,
               n_cols, _scale(x, reduction)),
         outputs=(NewBuffer("dinput", x.shape, x.dtype),),
-        constexprs={"BLOCK": block, "LOG_TARGET": bool(log_target)},
+        constexprs={"BLOCK": block, "LOG_TARGET": bool(log_target), "FLAT_GRID": flat},
         num_warps=warps_for(block, max_warps=8),
     )
     return Plan(inputs=("grad_output", "target"), launches=(launch,), outputs=("dinput",))

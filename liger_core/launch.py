@@ -83,6 +83,10 @@ class Launch:
     num_stages: int = 2
 
     def __post_init__(self):
+        if any(g > MAX_GRID_YZ for g in self.grid[1:]) or self.grid[0] >= 2**31:
+            # a plan's own checks should have refused this with the argument's name; never a failed CUDA launch
+            raise ValueError(f"{getattr(self.kernel, '__name__', self.kernel)}: grid {self.grid} exceeds CUDA's "
+                             f"limits (2**31 - 1 programs on axis 0, {MAX_GRID_YZ} on axes 1 and 2)")
         # A kernel with an ALIGN constexpr passes some int arguments through tl_math.aligned: ALIGN says whether
         # all of them are multiples of 16 (computed here from the values, so no plan can get it wrong).
         names = list(getattr(self.kernel, "arg_names", ()))
@@ -144,6 +148,36 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# CUDA launches at most 65535 programs along grid axes 1 and 2 (axis 0: 2**31 - 1).
+MAX_GRID_YZ = 65535
+
+
+def rows_by_blocks_grid(n_rows: int, n_blocks: int) -> tuple[tuple[int, ...], bool]:
+    """``(grid, flat)`` for a kernel with one program per (row, column block) that decodes its program with
+    ``tl_math.row_and_block``: the 2-d grid (rows, blocks), or where the blocks exceed grid axis 1's limit
+    (a flattened array of 268M+ elements) one axis of rows x blocks, ``flat``."""
+    if n_blocks <= MAX_GRID_YZ:
+        return (n_rows, n_blocks), False
+    if n_rows * n_blocks >= 2**31:
+        raise ValueError(f"{n_rows} rows of {n_blocks} column blocks are more programs than a launch can have")
+    return (n_rows * n_blocks,), True
+
+
+def spans_int32(n: int, stride: int) -> bool:
+    """Whether ``n`` elements ``stride`` apart span 2**31 elements of memory or more: the kernels index along a
+    row, a parameter vector or a head in int32 (``col * stride``), which only a view strided by a huge other
+    dimension overflows."""
+    return (n - 1) * abs(stride) >= 2**31
+
+
+def check_last_axis_span(info: ArrayInfo, name: str) -> None:
+    """ValueError naming ``name`` when its last axis spans 2**31 elements of memory or more (``spans_int32``)."""
+    if info.ndim and spans_int32(info.shape[-1], info.strides[-1]):
+        raise ValueError(f"{name}'s last dimension ({info.shape[-1]} elements strided by {info.strides[-1]}) spans "
+                         "2**31 elements of memory or more, which the kernels index in int32; make it contiguous "
+                         "first")
+
+
 def collapse_rows(info: ArrayInfo) -> tuple[int, int, int, int] | None:
     """View an array as (rows, last-axis) by strides: ``(n_rows, n_cols, row_stride, col_stride)``.
 
@@ -154,7 +188,7 @@ def collapse_rows(info: ArrayInfo) -> tuple[int, int, int, int] | None:
     if info.ndim == 0:
         return None
     n_cols, col_stride = info.shape[-1], info.strides[-1]
-    if (n_cols - 1) * abs(col_stride) >= 2**31:
+    if spans_int32(n_cols, col_stride):
         return None
     lead = [(d, s) for d, s in zip(info.shape[:-1], info.strides[:-1]) if d != 1]
     n_rows = math.prod(d for d, _ in lead)

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from .tl_math import aligned, cast, chunk_columns
 from .launch import (
-    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, by_width, check_eps, check_float, check_nonempty,
-    promote, warps_for,
+    FLOAT_DTYPES, ArrayInfo, Buf, Launch, NewBuffer, Plan, by_width, check_eps, check_float, check_last_axis_span,
+    check_nonempty, promote, warps_for,
 )
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
 from .rms_norm import (
@@ -334,6 +334,7 @@ def _check_param(param: ArrayInfo | None, name: str, n_cols: int) -> None:
     check_float(param, name)
     if param.shape != (n_cols,):
         raise ValueError(f"{name} must have shape ({n_cols},) to match x's last dimension, got {param.shape}")
+    check_last_axis_span(param, name)
 
 
 def _check_inputs(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None, weight_name: str,

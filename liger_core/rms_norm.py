@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_finite, check_float, check_nonempty, promote,
-    warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_finite, check_float, check_last_axis_span, check_nonempty,
+    promote, warps_for,
 )
 from .reduce import sum_partials_launch
 from .rowwise import (
@@ -426,6 +426,7 @@ def _check_inputs(x: ArrayInfo, weight: ArrayInfo | None, casting_mode: str, wei
         if weight.shape != (x.shape[-1],):
             raise ValueError(f"{weight_name} must have shape ({x.shape[-1]},) to match x's last dimension, "
                              f"got {weight.shape}")
+        check_last_axis_span(weight, weight_name)
 
 
 def output_dtype(x_dtype: str, weight_dtype: str | None, casting_mode: str) -> str:

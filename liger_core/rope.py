@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_nonempty, contiguous_strides, dense_strides,
-    next_power_of_2, non_overlapping, promote, warps_for,
+    ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_float, check_last_axis_span, check_nonempty,
+    contiguous_strides, dense_strides, next_power_of_2, non_overlapping, promote, warps_for,
 )
 from .tl_math import aligned, cast, round_to
 
@@ -220,6 +220,8 @@ def _check(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_
                              f"{q_name} shape {q.shape}, layout {layout})")
     if D % 2:
         raise ValueError(f"{q_name}'s head_dim (last dimension) must be even for RoPE, got {D}")
+    check_last_axis_span(q, q_name)
+    check_last_axis_span(k, k_name)
     for info, name in ((cos, "cos"), (sin, "sin")):
         if info.ndim not in (2, 3):
             raise ValueError(f"{name} must have shape (seq, head_dim) or (batch or 1, seq, head_dim), "
@@ -230,6 +232,8 @@ def _check(q: ArrayInfo, k: ArrayInfo, cos: ArrayInfo, sin: ArrayInfo, position_
         raise ValueError(f"sin must have the shape of cos {cos.shape}, got {sin.shape}")
     if sin.dtype != cos.dtype:
         raise TypeError(f"sin must have cos's dtype {cos.dtype}, got {sin.dtype}")
+    check_last_axis_span(cos, "cos")
+    check_last_axis_span(sin, "sin")
     if cos.shape[-1] != D:
         raise ValueError(f"cos must have {q_name}'s head_dim {D} as its last dimension, got shape {cos.shape}")
     if cos.ndim == 3 and cos.shape[0] not in (1, B):

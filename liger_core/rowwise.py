@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .launch import ArrayInfo, Launch, NewBuffer, cdiv, collapse_rows, next_power_of_2, warps_for
+from .launch import MAX_GRID_YZ, ArrayInfo, Launch, NewBuffer, cdiv, collapse_rows, next_power_of_2, warps_for
 
 
 def row_view(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
@@ -113,6 +113,9 @@ def rows_in_group(n_rows: int, groups: int) -> int:
     """Rows in each of ``groups`` equal blocks (a vmapped batch folded into rows)."""
     if groups < 1 or n_rows % groups:
         raise ValueError(f"groups={groups} does not divide the {n_rows} rows")
+    if groups > MAX_GRID_YZ:  # the groups are a grid axis of the backward and of the partials' sum
+        raise ValueError(f"a vmapped batch of {groups} blocks is more than the {MAX_GRID_YZ} the weight-gradient "
+                         "launches take; vmap over fewer, or fold the batch into the rows (reshape) instead")
     return n_rows // groups
 
 

@@ -65,6 +65,19 @@ def aligned(value, ALIGN: tl.constexpr):
     return value // ALIGN * ALIGN
 
 
+@triton.jit
+def row_and_block(n_blocks, FLAT: tl.constexpr):
+    """(row, column block) of this program: program_id (0, 1) of a (rows, blocks) grid, or with ``FLAT`` the
+    decoded id of a one-axis grid of rows x blocks (:func:`liger_core.launch.rows_by_blocks_grid`). The row is
+    int64 either way."""
+    if FLAT:
+        program = tl.program_id(0).to(tl.int64)
+        row, block = program // n_blocks, program % n_blocks
+    else:
+        row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    return row, block
+
+
 # Base-2 transcendentals. tl.exp(x) compiles to an FMUL by log2(e), the hardware's ex2 and three instructions that
 # keep denormal results (FSETP and two predicated FMULs); tl.exp2 compiles to the ex2 alone (flushing denormals
 # to 0). tl.log and tl.log2 compile to a ~25-instruction software routine, not to the hardware's lg2. In a loop

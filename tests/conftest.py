@@ -18,6 +18,11 @@ import liger_torch._launch  # noqa: E402
 
 ON_GPU = not liger_core.INTERPRET
 
+if not ON_GPU:
+    import interpreter_bounds
+
+    interpreter_bounds.install()  # a load or store outside every argument's storage fails the test
+
 if ON_GPU:
     import jax
 

@@ -142,3 +142,42 @@ def test_bad_input(device):
         liger_torch.kl_div(x, torch.zeros(2, 3, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="target requires grad"):
         liger_torch.kl_div(x, torch.zeros(2, 3, requires_grad=True, device=device))
+
+
+def _clear_plan_caches():
+    for plan in (kl_div.forward_plan, kl_div.row_sums_plan, kl_div.backward_plan):
+        plan.cache_clear()
+
+
+@pytest.mark.parametrize("reduction", ["none", "batchmean"])
+def test_column_blocks_past_grid_axis_1_run_on_one_axis(reduction, device, seed, monkeypatch):
+    """A flattened array of 268M+ elements has more column blocks than CUDA's grid axis 1 takes (65535): the
+    programs then run on one axis of rows x blocks, decoded in the kernel. The limit lowered to 1 here puts
+    every multi-block launch on that path: the same bits as the 2-d grid, a reference's numbers."""
+    x, t, gen = draw(seed, (5, 9001), torch.float32, True, device=device)
+    g = torch.randn(x.shape if reduction == "none" else (), generator=gen).to(device)
+    monkeypatch.setattr(kl_div, "FORWARD_CHUNK", 4096)  # 3 chunks a row in the forward, 3 blocks in the backward
+
+    def run():
+        _clear_plan_caches()
+        xa = x.clone().requires_grad_(True)
+        loss = liger_torch.kl_div(xa, t, reduction, True, grad_in_forward=False)
+        loss.backward(g)
+        return loss.detach(), xa.grad
+
+    expected = run()
+    from liger_core import launch
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 1)
+    _clear_plan_caches()
+    launches = kl_div.forward_plan(info(x), info(t), reduction=reduction, log_target=True,
+                                   compute_grad=False).launches
+    assert launches[0].grid == (15,) and launches[0].constexprs["FLAT_GRID"]
+    flat = run()
+    monkeypatch.undo()
+    _clear_plan_caches()
+    assert torch.equal(flat[0], expected[0]) and torch.equal(flat[1], expected[1])
+    ref_x = x.double().requires_grad_(True)
+    ref = F.kl_div(ref_x, t.double(), reduction=reduction, log_target=True)
+    ref.backward(g.double())
+    assert_close(flat[0], ref, torch.float32, "loss", scale=1.0 if reduction == "none" else x.numel() ** 0.5)
+    assert_close(flat[1] * 5, ref_x.grad * 5, torch.float32, "dinput")

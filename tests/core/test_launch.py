@@ -155,3 +155,59 @@ def test_by_width_takes_the_first_entry_the_row_reaches():
     table = ((65536, "wide"), (32000, "mid"))
     assert [by_width(table, n) for n in (65536, 70000, 65535, 32000)] == ["wide", "wide", "mid", "mid"]
     assert by_width(table, 31999) is None and by_width(table, 31999, "narrow") == "narrow"
+
+
+def test_vectors_and_heads_whose_elements_span_2_31_elements_are_refused():
+    """Parameter vectors (norm weight and bias, class weights) and RoPE's head_dim axis are indexed in int32
+    (col * stride) too: a view strided past 2**31 elements is a ValueError naming it, not a wild read; a stride
+    just below is planned."""
+    from liger_core import cross_entropy, layer_norm, rms_norm, rope
+
+    x = ArrayInfo((7, 4096), (4096, 1), "float32")
+    below, at = 2**31 // 4095, 2**31 // 4095 + 1
+
+    def vector(stride, n=4096):
+        return ArrayInfo((n,), (stride,), "float32")
+
+    rms_norm.forward_plan(x, vector(below), eps=1e-6)
+    layer_norm.forward_plan(x, vector(below), vector(below), eps=1e-6)
+    cross_entropy.forward_plan(x, ArrayInfo((7,), (1,), "int64"), vector(below))
+    for plan, name in ((lambda: rms_norm.forward_plan(x, vector(at), eps=1e-6), "weight"),
+                       (lambda: rms_norm.backward_plan(x, x, vector(at), num_sms=132), "weight"),
+                       (lambda: layer_norm.forward_plan(x, vector(1), vector(at), eps=1e-6), "bias"),
+                       (lambda: cross_entropy.forward_plan(x, ArrayInfo((7,), (1,), "int64"), vector(at)),
+                        "weight")):
+        with pytest.raises(ValueError, match=rf"^{name}'s last dimension \(4096 elements strided by {at}\)"):
+            plan()
+
+    q = ArrayInfo((2, 4, 8, 128), (4096, 1024, 128, 1), "float32")  # (B, H, T, D)
+    table = ArrayInfo((8, 128), (128, 1), "float32")
+    rope.forward_plan(q, q, table, table, head_axis=1)
+    d_strided = ArrayInfo((2, 4, 8, 128), (1, 2, 8, 2**31 // 127 + 1), "float32")  # head_dim outermost in memory
+    for args, name in (((d_strided, q, table, table), "q"), ((q, d_strided, table, table), "k")):
+        with pytest.raises(ValueError, match=rf"^{name}'s last dimension"):
+            rope.forward_plan(*args, head_axis=1)
+    strided_table = ArrayInfo((8, 128), (1, 2**31 // 127 + 1), "float32")
+    with pytest.raises(ValueError, match=r"^cos's last dimension"):
+        rope.forward_plan(q, q, strided_table, strided_table, head_axis=1)
+
+
+def test_grids_past_cuda_axis_limits():
+    """A launch whose grid exceeds CUDA's limits (65535 on axes 1 and 2) is a ValueError when planned, never a
+    failed launch; KL divergence over a flattened 1.2G-element array (73k forward chunks, 293k backward blocks)
+    plans one grid axis."""
+    from liger_core import kl_div
+
+    with pytest.raises(ValueError, match=r"grid \(1, 65536\) exceeds CUDA's limits"):
+        Launch(kernel=None, grid=(1, 65536), args=(), outputs=())
+    Launch(kernel=None, grid=(2**31 - 1, 65535, 65535), args=(), outputs=())
+    from liger_core import rms_norm
+
+    with pytest.raises(ValueError, match="a vmapped batch of 70000 blocks is more than the 65535"):
+        rms_norm.backward_plan(*[ArrayInfo((70000, 8), (8, 1), "float32")] * 2, None, num_sms=132, groups=70000)
+    flat = ArrayInfo((1_200_000_000,), (1,), "float32")
+    for plan in (kl_div.forward_plan(flat, flat, reduction="sum"),
+                 kl_div.forward_plan(flat, flat, reduction="none"),
+                 kl_div.backward_plan(ArrayInfo((), (), "float32"), flat, flat, reduction="sum")):
+        main = plan.launches[0]
+        assert len(main.grid) == 1 and main.constexprs["FLAT_GRID"], main.grid

@@ -27,6 +27,7 @@ linear CE gets bf16 hidden states and an fp32 weight). Both train the patched mo
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import sys
 import traceback
@@ -39,7 +40,9 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import liger_torch._launch  # noqa: E402  (before anything imports triton: liger_core picks the interpreter)
+import liger_core  # noqa: E402  (before anything imports triton: liger_core picks the interpreter)
+import liger_torch._launch  # noqa: E402
+import interpreter_bounds  # noqa: E402
 import liger_torch.transformers._causal_lm as causal_lm  # noqa: E402
 from hf_tiny import batch, build  # noqa: E402
 from liger_torch.transformers import apply_liger_kernel  # noqa: E402
@@ -188,6 +191,9 @@ def run_stack(stack, rank, world):
 def main():
     stacks, out_dir = sys.argv[1].split(","), sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if liger_core.INTERPRET:  # as in the test suite: an access outside the launch's buffers fails the rank
+        interpreter_bounds.install()
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV in gloo or torch, seen once on CI) prints its stacks
     torch.set_num_threads(1)
     liger_torch._launch.POISON_OUTPUTS = True  # as in the test suite: an unwritten output element is NaN
     # A collective that waits for a rank that died gives up after this (the test's own deadline is later).

@@ -9,9 +9,11 @@ outlives its deadline is killed too, so a deadlock fails the test instead of han
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -72,9 +74,23 @@ def _load(stack, tmp_path):
     return [torch.load(tmp_path / f"{stack}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+# A rank that dies of one of these signals crashed in native code: on CI a rank once died of SIGSEGV (no Python
+# error, its peer then lost the gloo connection) and once of SIGABRT in gloo's teardown; neither reproduced in
+# 36 runs of these stacks here, two at a time on 2 busy cores. An access outside a kernel's buffers, the crash
+# our own code could cause, fails in Python instead (interpreter_bounds, on in the workers).
+NATIVE_CRASHES = (-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS)
+
+
 def launch(stacks, tmp_path, seed):
-    """Runs the stacks, which must succeed on every rank; returns {stack: [rank 0's, rank 1's]}."""
+    """Runs the stacks, which must succeed on every rank; returns {stack: [rank 0's, rank 1's]}. A run in which
+    a rank crashed in native code is run once more (in a fresh directory), with a warning carrying its report
+    (and the crashed rank's stacks, faulthandler's); a second crash, or any other failure, fails the test."""
     codes, report = _run(stacks, tmp_path, seed)
+    if any(c in NATIVE_CRASHES for c in codes):
+        warnings.warn(f"a rank crashed in native code; running again. The crashed run: {report}")
+        tmp_path = tmp_path / "again"
+        tmp_path.mkdir()
+        codes, report = _run(stacks, tmp_path, seed)
     if codes != [0] * WORLD:
         pytest.fail(report)
     return {stack: _load(stack, tmp_path) for stack in stacks}
