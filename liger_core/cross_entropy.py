@@ -197,7 +197,9 @@ def _cross_entropy_kernel(
     if MEAN:
         denom_w = tl.load(DENOM)
         denom_n = tl.load(DENOM + 1)
-        ce_scale = tl.where(denom_w > 0, 1.0 / tl.where(denom_w > 0, denom_w, 1.0), 0.0)
+        # a total class weight of exactly 0 (every target ignored) gives 0, not NaN; a negative total (negative
+        # class weights are valid) divides, as torch's
+        ce_scale = tl.where(denom_w != 0, 1.0 / tl.where(denom_w != 0, denom_w, 1.0), 0.0)
         z_scale = tl.where(denom_n > 0, 1.0 / tl.where(denom_n > 0, denom_n, 1.0), 0.0)
     else:
         ce_scale = 1.0

@@ -17,7 +17,9 @@ from __future__ import annotations
 import functools
 
 from . import cross_entropy as ce
-from .launch import ArrayInfo, ITEMSIZE, Plan, check_float, check_nonempty, next_power_of_2
+from .launch import (
+    ArrayInfo, ITEMSIZE, Plan, check_bool, check_float, check_nonempty, check_positive_int, next_power_of_2,
+)
 
 # Bytes of chunk logits (in the activations' dtype) the loop may hold at once without an fp32 accumulator (a
 # forward alone, or bf16 accumulation): 512 MiB is 2048 rows of a 128256-token vocabulary in bf16. With one,
@@ -34,11 +36,19 @@ def chunk_rows(n_rows: int, vocab: int, dtype: str, chunk_size: int | None = Non
                workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
     """Rows per chunk: ``chunk_size`` if given, else as many as fit ``workspace_bytes`` of chunk logits."""
     if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-        return max(1, min(chunk_size, n_rows))
+        return max(1, min(check_positive_int(chunk_size, "chunk_size"), n_rows))
     rows = quantized_rows(int(workspace_bytes) // (vocab * ITEMSIZE[dtype]))
     return max(1, min(rows, n_rows))
+
+
+def check_loop_options(*, return_z_loss: bool = False, chunk_size: int | None = None,
+                       accum_dtype_fp32: bool | None = None) -> None:
+    """The chunk loop's options, checked where a module takes them (the functions check them when called)."""
+    check_bool(return_z_loss, "return_z_loss")
+    if chunk_size is not None:
+        check_positive_int(chunk_size, "chunk_size")
+    if accum_dtype_fp32 is not None:
+        check_bool(accum_dtype_fp32, "accum_dtype_fp32")
 
 
 def quantized_rows(rows: int) -> int:
@@ -53,7 +63,7 @@ def accumulate_in_fp32(weight_dtype: str, flag: bool | None) -> bool:
     """Whether grad_W is accumulated over chunks in fp32: ``flag``, by default on for bf16/fp16 weights."""
     if flag is None:
         return weight_dtype in ("bfloat16", "float16")
-    return bool(flag)
+    return check_bool(flag, "accum_dtype_fp32")
 
 
 def is_master_weight(weight_dtype: str, dtype: str) -> bool:
@@ -120,6 +130,7 @@ def check_inputs(x: ArrayInfo, weight: ArrayInfo, target: ArrayInfo, bias: Array
         raise ValueError(f"{weight_name} must have shape {expect} with H={hidden} (x's last dimension), "
                          f"got {weight.shape}")
     vocab = weight.shape[0 if layout == "vh" else 1]
+    check_nonempty(weight, weight_name)  # a vocabulary of 0 classes
     if not (master_weight_ok and is_master_weight(weight.dtype, x.dtype)):
         _check_dtype_of_x(weight, weight_name, x, x_name, dtype_remedy)
     if bias is not None:

@@ -338,6 +338,14 @@ def check_eps(value, name: str = "eps") -> float:
     return result
 
 
+def check_bool(value, name: str) -> bool:
+    """``value``, a bool (numpy's too); a TypeError naming ``name`` for anything else: ``bool("False")`` is True,
+    so a string (or a number) passed for an on/off option would silently select the wrong computation."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 INT64_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -348,4 +356,12 @@ def check_int(value, name: str) -> int:
     result = int(value)
     if not INT64_RANGE[0] <= result <= INT64_RANGE[1]:
         raise ValueError(f"{name} must fit in int64, got {result}")
+    return result
+
+
+def check_positive_int(value, name: str) -> int:
+    """A size option (a hidden size, a chunk's rows): an int (Python or numpy, not a bool) >= 1."""
+    result = check_int(value, name)
+    if result < 1:
+        raise ValueError(f"{name} must be a positive int, got {result}")
     return result

@@ -41,8 +41,9 @@ def reference(logits, labels, weight=None, ignore_index=-100, reduction="mean", 
         if reduction == "sum":
             return (1 - label_smoothing) * nll.sum() + label_smoothing / v * smooth.sum() + zl.sum(), zl.sum()
         denom_w, denom_n = w_t.sum(), keep.sum()
+        # a total weight of exactly 0 (every label ignored) gives 0; a negative one divides, as torch's
         ce = ((1 - label_smoothing) * nll.sum() + label_smoothing / v * smooth.sum()) / jnp.where(
-            denom_w > 0, denom_w, 1.0)
+            denom_w != 0, denom_w, jnp.inf)
         zl = zl.sum() / jnp.maximum(denom_n, 1)
         return ce + zl, zl
 
@@ -135,6 +136,18 @@ def test_all_labels_ignored(reduction, seed):
     loss, grad = jax.jit(jax.value_and_grad(f))(logits)
     assert float(loss) == 0.0
     np.testing.assert_array_equal(np.asarray(grad), np.zeros(logits.shape, np.float32))
+
+
+def test_negative_class_weights_divide_the_mean(seed):
+    logits, labels, weight, _ = draw(seed, (9,), 123, jnp.float32)
+    weight = weight - 1.3  # the labels' total is negative
+    assert float(weight[labels[labels != -100]].sum()) < 0
+    opts = dict(weight=weight, label_smoothing=0.1)
+    loss, grad = jax.value_and_grad(lambda x: liger_jax.cross_entropy(x, labels, **opts))(logits)
+    with x64():
+        ref, ref_grad = jax.value_and_grad(lambda x: reference(x, labels, **opts)[0])(logits.astype(jnp.float64))
+    assert_close(np.asarray(loss), np.asarray(ref), jnp.float32, "loss", scale=3)
+    assert_close(np.asarray(grad), np.asarray(ref_grad), jnp.float32, "dlogits")
 
 
 def test_custom_ignore_index(seed):

@@ -152,6 +152,25 @@ def test_all_rows_ignored_gives_zero_loss_and_gradient(reduction, option, device
     assert torch.equal(x.grad, torch.zeros_like(x))
 
 
+def test_negative_class_weights_divide_the_mean_as_torch(device, seed):
+    """Class weights may be negative: the mean divides by their (here negative) total over the kept targets, as
+    torch's; only a total of exactly 0 gives the all-ignored 0."""
+    x, t, w, gen = draw(seed, 9, 123, torch.float32, device=device)
+    w = (w - 1.3).to(device)  # weights in [-0.8, 0.2): the targets' total is negative
+    kept = t[t != -100]
+    assert float(w[kept].sum()) < 0
+    opts = dict(weight=w, label_smoothing=0.1)
+    (loss, _), dx = run(lambda a, b: (liger_torch.cross_entropy(a, b, **opts), None), x, t, torch.tensor(0.7))
+    xr = x.double().requires_grad_(True)
+    ref = reference(xr, t, **opts)[0]
+    ref.backward(torch.tensor(0.7, dtype=torch.float64))
+    assert_close(loss, ref, torch.float32, "loss", scale=9 ** 0.5)
+    assert_close(dx, xr.grad, torch.float32, "dlogits")
+    flce = liger_torch.fused_linear_cross_entropy(x, torch.eye(123, device=device), t, ce_weight=w,
+                                                  label_smoothing=0.1)
+    assert_close(flce, ref, torch.float32, "fused linear loss", scale=9 ** 0.5)
+
+
 def test_custom_ignore_index_inside_the_vocab(device, seed):
     x, t, w, gen = draw(seed, 12, 100, torch.float32, ignore_fraction=0.0, device=device)
     t[::3] = 7

@@ -175,6 +175,7 @@ TORCH_CASES = {
     "rope.position_ids_shape": ("rope", lambda d: dict(position_ids=I(d, 2, 6))),
     "rope.unsqueeze_dim": ("rope", lambda d: dict(unsqueeze_dim=3)),
     "rope.cos_requires_grad": ("rope", lambda d: dict(cos=_requires_grad(T(d, 7, 8)))),
+    "rope.interleaved_type": ("rope", lambda d: dict(interleaved="no")),
 
     "swiglu.a_scalar": ("swiglu", lambda d: dict(a=T(d), b=T(d))),
     "swiglu.a_empty": ("swiglu", lambda d: dict(a=T(d, 4, 0), b=T(d, 4, 0))),
@@ -209,6 +210,8 @@ TORCH_CASES = {
     "cross_entropy.lse_square_scale_nan": ("cross_entropy", lambda d: dict(lse_square_scale=NAN)),
     "cross_entropy.softcap_zero": ("cross_entropy", lambda d: dict(softcap=0.0)),
     "cross_entropy.softcap_inf": ("cross_entropy", lambda d: dict(softcap=INF)),
+    "cross_entropy.return_z_loss_type": ("cross_entropy", lambda d: dict(return_z_loss="no")),
+    "cross_entropy.weight_requires_grad": ("cross_entropy", lambda d: dict(weight=_requires_grad(T(d, 10).abs()))),
 
     "fused_linear_cross_entropy.x_int": ("fused_linear_cross_entropy", lambda d: dict(x=I(d, 4, 8))),
     "fused_linear_cross_entropy.x_empty": ("fused_linear_cross_entropy", lambda d: dict(x=T(d, 0, 8),
@@ -225,6 +228,12 @@ TORCH_CASES = {
                                                        lambda d: dict(target=torch.tensor([0, -1, 2, 3], device=d))),
     "fused_linear_cross_entropy.ce_weight_shape": ("fused_linear_cross_entropy", lambda d: dict(ce_weight=T(d, 8))),
     "fused_linear_cross_entropy.chunk_size": ("fused_linear_cross_entropy", lambda d: dict(chunk_size=0)),
+    "fused_linear_cross_entropy.chunk_size_type": ("fused_linear_cross_entropy", lambda d: dict(chunk_size=2.5)),
+    "fused_linear_cross_entropy.accum_dtype_fp32_type": ("fused_linear_cross_entropy",
+                                                         lambda d: dict(accum_dtype_fp32="no")),
+    "fused_linear_cross_entropy.weight_empty": ("fused_linear_cross_entropy", lambda d: dict(weight=T(d, 0, 8))),
+    "fused_linear_cross_entropy.ce_weight_requires_grad": ("fused_linear_cross_entropy",
+                                                           lambda d: dict(ce_weight=_requires_grad(T(d, 10).abs()))),
     "fused_linear_cross_entropy.reduction": ("fused_linear_cross_entropy", lambda d: dict(reduction="batchmean")),
     "fused_linear_cross_entropy.softcap_nan": ("fused_linear_cross_entropy", lambda d: dict(softcap=NAN)),
 
@@ -234,6 +243,7 @@ TORCH_CASES = {
     "kl_div.target_shape": ("kl_div", lambda d: dict(target=T(d, 1, 3))),
     "kl_div.target_int": ("kl_div", lambda d: dict(target=I(d, 2, 3))),
     "kl_div.target_requires_grad": ("kl_div", lambda d: dict(target=_requires_grad(T(d, 2, 3)))),
+    "kl_div.log_target_type": ("kl_div", lambda d: dict(log_target="False")),
 
     "jsd.student_empty": ("jsd", lambda d: dict(student_logprobs=T(d, 2, 0), teacher_logprobs=T(d, 2, 0))),
     "jsd.student_int": ("jsd", lambda d: dict(student_logprobs=I(d, 2, 3))),
@@ -256,15 +266,25 @@ TORCH_CASES = {
     "fused_linear_jsd.temperature_zero": ("fused_linear_jsd", lambda d: dict(temperature=0.0)),
     "fused_linear_jsd.temperature_nan": ("fused_linear_jsd", lambda d: dict(temperature=INF)),
     "fused_linear_jsd.beta_range": ("fused_linear_jsd", lambda d: dict(beta=-0.5)),
-    "fused_linear_jsd.chunk_size": ("fused_linear_jsd", lambda d: dict(chunk_size=2.5)),
+    "fused_linear_jsd.chunk_size": ("fused_linear_jsd", lambda d: dict(chunk_size=0)),
+    "fused_linear_jsd.chunk_size_type": ("fused_linear_jsd", lambda d: dict(chunk_size=2.5)),
     "fused_linear_jsd.teacher_requires_grad": ("fused_linear_jsd",
                                                lambda d: dict(teacher_weight=_requires_grad(T(d, 10, 6)))),
 
     "modules.rms_norm_init_fn": lambda d: liger_torch.RMSNorm(8, init_fn="normal"),
     "modules.rms_norm_casting_mode": lambda d: liger_torch.RMSNorm(8, casting_mode="bf16"),
+    "modules.rms_norm_hidden_size": lambda d: liger_torch.RMSNorm(-3),
+    "modules.rms_norm_eps": lambda d: liger_torch.RMSNorm(8, eps=-1e-6),
+    "modules.layer_norm_hidden_size": lambda d: liger_torch.LayerNorm(0),
+    "modules.layer_norm_eps": lambda d: liger_torch.LayerNorm(8, eps=NAN),
     "modules.layer_norm_shape": lambda d: liger_torch.LayerNorm((4, 8)),
     "modules.layer_norm_input": lambda d: liger_torch.LayerNorm(8).to(d)(T(d, 4, 9)),
     "modules.cross_entropy_loss_options": lambda d: liger_torch.CrossEntropyLoss(reduction="avg"),
+    "modules.cross_entropy_loss_in_place": lambda d: liger_torch.CrossEntropyLoss(in_place=1),
+    "modules.kl_div_loss_log_target": lambda d: liger_torch.KLDivLoss(log_target="yes"),
+    "modules.fused_linear_cross_entropy_loss_chunk_size": lambda d: liger_torch.FusedLinearCrossEntropyLoss(
+        chunk_size=0),
+    "modules.fused_linear_jsd_chunk_size": lambda d: liger_torch.FusedLinearJSD(chunk_size=-1),
     "modules.kl_div_loss_reduction": lambda d: liger_torch.KLDivLoss(reduction="avg"),
     "modules.jsd_beta": lambda d: liger_torch.JSD(beta=2.0),
     "modules.fused_linear_jsd_temperature": lambda d: liger_torch.FusedLinearJSD(temperature=-1.0),
@@ -411,6 +431,7 @@ JAX_CASES = {
     "rope.position_ids_float": ("rope", lambda: dict(position_ids=JT(7))),
     "rope.position_ids_shape": ("rope", lambda: dict(position_ids=JI(3, 7))),
     "rope.cos_requires_grad": _jax_grad_wrt_cos,
+    "rope.interleaved_type": ("rope", lambda: dict(interleaved="no")),
 
     "swiglu.a_scalar": ("swiglu", lambda: dict(a=JT(), b=JT())),
     "swiglu.a_empty": ("swiglu", lambda: dict(a=JT(0, 8), b=JT(0, 8))),
@@ -442,6 +463,8 @@ JAX_CASES = {
     "cross_entropy.lse_square_scale_nan": ("cross_entropy", lambda: dict(lse_square_scale=INF)),
     "cross_entropy.softcap_zero": ("cross_entropy", lambda: dict(softcap=-30.0)),
     "cross_entropy.softcap_inf": ("cross_entropy", lambda: dict(softcap=NAN)),
+    "cross_entropy.return_z_loss_type": ("cross_entropy", lambda: dict(return_z_loss="no")),
+    "cross_entropy.labels_beyond_int32": ("cross_entropy", lambda: dict(labels=np.array([0, 3, 2**32 + 1, 9]))),
 
     "fused_linear_cross_entropy.x_int": ("fused_linear_cross_entropy", lambda: dict(x=JI(4, 8))),
     "fused_linear_cross_entropy.x_empty": ("fused_linear_cross_entropy", lambda: dict(x=JT(0, 8), labels=JI(0))),
@@ -459,6 +482,11 @@ JAX_CASES = {
                                                        lambda: dict(labels=np.array([0, -1, 2, 3]))),
     "fused_linear_cross_entropy.ce_weight_shape": ("fused_linear_cross_entropy", lambda: dict(ce_weight=JT(1))),
     "fused_linear_cross_entropy.chunk_size": ("fused_linear_cross_entropy", lambda: dict(chunk_size=-4)),
+    "fused_linear_cross_entropy.chunk_size_type": ("fused_linear_cross_entropy", lambda: dict(chunk_size=True)),
+    "fused_linear_cross_entropy.accum_dtype_fp32_type": ("fused_linear_cross_entropy",
+                                                         lambda: dict(accum_dtype_fp32="yes")),
+    "fused_linear_cross_entropy.weight_empty": ("fused_linear_cross_entropy", lambda: dict(kernel=JT(8, 0))),
+    "fused_linear_cross_entropy.dtype": ("fused_linear_cross_entropy", lambda: dict(dtype="int32")),
     "fused_linear_cross_entropy.reduction": ("fused_linear_cross_entropy", lambda: dict(reduction=None)),
     "fused_linear_cross_entropy.softcap_nan": ("fused_linear_cross_entropy", lambda: dict(softcap=NAN)),
 
@@ -467,6 +495,7 @@ JAX_CASES = {
     "kl_div.input_int": ("kl_div", lambda: dict(log_predictions=JI(2, 3))),
     "kl_div.target_shape": ("kl_div", lambda: dict(targets=JT(2, 1))),
     "kl_div.target_int": ("kl_div", lambda: dict(targets=JI(2, 3))),
+    "kl_div.log_target_type": ("kl_div", lambda: dict(log_target="False")),
 
     "jsd.student_empty": ("jsd", lambda: dict(student_logprobs=JT(0, 3), teacher_logprobs=JT(0, 3))),
     "jsd.student_int": ("jsd", lambda: dict(student_logprobs=JI(2, 3))),
@@ -487,12 +516,17 @@ JAX_CASES = {
     "fused_linear_jsd.temperature_zero": ("fused_linear_jsd", lambda: dict(temperature=-2.0)),
     "fused_linear_jsd.temperature_nan": ("fused_linear_jsd", lambda: dict(temperature=NAN)),
     "fused_linear_jsd.beta_range": ("fused_linear_jsd", lambda: dict(beta=3)),
-    "fused_linear_jsd.chunk_size": ("fused_linear_jsd", lambda: dict(chunk_size=True)),
+    "fused_linear_jsd.chunk_size": ("fused_linear_jsd", lambda: dict(chunk_size=-1)),
+    "fused_linear_jsd.chunk_size_type": ("fused_linear_jsd", lambda: dict(chunk_size=True)),
 
     "modules.nnx_rms_norm_axes": _nnx("RMSNorm", 8, reduction_axes=0),
     "modules.nnx_rms_norm_axis_name": _nnx("RMSNorm", 8, axis_name="batch"),
     "modules.nnx_layer_norm_mask": _nnx("LayerNorm", 8, call=lambda m: m(JT(4, 8), mask=np.ones((4, 8), bool))),
     "modules.nnx_geglu_approximate": _nnx("GeGLUMLP", 8, 16, approximate="exact"),
+    "modules.rms_norm_hidden_size": _nnx("RMSNorm", 0),
+    "modules.rms_norm_eps": _nnx("RMSNorm", 8, epsilon=-1e-6),
+    "modules.layer_norm_hidden_size": _nnx("LayerNorm", -1),
+    "modules.layer_norm_eps": _nnx("LayerNorm", 8, epsilon=-1.0),
 }
 
 

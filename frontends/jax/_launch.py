@@ -49,7 +49,15 @@ def optional_info(x) -> ArrayInfo | None:
 def as_array(name: str, x):
     """Accept jax/numpy arrays (and tracers); reject anything else with the argument's name."""
     if isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)):
-        return jnp.asarray(x)
+        array = jnp.asarray(x)
+        if isinstance(x, np.ndarray) and x.dtype.kind in "iu" and x.size and array.dtype != x.dtype:
+            # without jax_enable_x64 an int64 array becomes int32, wrapping values past its range: a label of
+            # 2**32 + 1 would be read as class 1, one of 2**32 - 100 as ignore_index
+            limits = np.iinfo(array.dtype)
+            if x.min() < limits.min or x.max() > limits.max:
+                raise ValueError(f"{name} has values outside {array.dtype}'s range [{limits.min}, {limits.max}], "
+                                 f"the dtype jax stores its {x.dtype} as here (jax_enable_x64 is off)")
+        return array
     raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
 
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from liger_core import cross_entropy as core
+from liger_core.launch import check_bool
 
 from ._launch import as_array, info, map_over_batch, run_plan
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
@@ -145,5 +146,5 @@ def cross_entropy(logits, labels, *, weight=None, ignore_index: int = -100, redu
                       target_name="labels")
     check_labels(labels, logits.shape[-1], ignore_index)
     options = (int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
-               None if softcap is None else float(softcap), bool(return_z_loss))
+               None if softcap is None else float(softcap), check_bool(return_z_loss, "return_z_loss"))
     return _cross_entropy(logits, labels, weight, options)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
+from liger_core.launch import FLOAT_DTYPES, check_bool
 
 from ._launch import as_array, dtype_name, info, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
@@ -201,6 +202,8 @@ def in_matmul_dtype(dtype, x, kernel, bias=None):
     """``(x, kernel, bias)`` for matmuls in ``dtype``: x and bias cast to it, the kernel too unless it is an fp32
     master kernel of a bf16/fp16 ``dtype`` (the loop casts that one itself)."""
     dtype = jnp.dtype(dtype)
+    if dtype_name(dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"dtype (the matmuls' dtype) must be one of {FLOAT_DTYPES}, got {dtype.name}")
     if not core.is_master_weight(dtype_name(kernel.dtype), dtype_name(dtype)):
         kernel = kernel.astype(dtype)
     return x.astype(dtype), kernel, None if bias is None else bias.astype(dtype)
@@ -256,9 +259,9 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
     and the kernel must have it): x and bias are cast to it, and the kernel too unless it is an fp32 kernel of a
     bf16/fp16 ``dtype`` (``param_dtype=float32``): that master kernel is cast once inside the loop and its
     gradient accumulated in fp32 straight into the fp32 gradient (no accumulator beside it, no bf16 gradient
-    cast back; chunks of the default workspace whatever N). Differentiable in x, kernel and bias. The loss (and z-loss) is fp32
-    whatever x's dtype, as the fp32 losses of HF's loss functions and Liger-Kernel: a bf16 loss near 12 would
-    be rounded to multiples of 1/16.
+    cast back; chunks of the default workspace whatever N). Differentiable in x, kernel and bias. The loss (and
+    z-loss) is fp32 whatever x's dtype, as the fp32 losses of HF's loss functions and Liger-Kernel: a bf16 loss
+    near 12 would be rounded to multiples of 1/16.
     """
     x = as_array("x", x)
     kernel = as_array("kernel", kernel)
@@ -277,7 +280,7 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
     check_labels(labels, vocab, ignore_index)
     opts = dict(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
                 lse_square_scale=float(lse_square_scale), softcap=None if softcap is None else float(softcap),
-                return_z_loss=bool(return_z_loss))
+                return_z_loss=check_bool(return_z_loss, "return_z_loss"))
     accum_fp32 = core.accumulate_in_fp32(dtype_name(kernel.dtype), accum_dtype_fp32)
     dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
     static = _Static(opts, layout, chunk_size, accum_fp32, tuple(x.shape), dtypes)

@@ -158,8 +158,8 @@ def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kerne
     ``accum_dtype_fp32``: accumulate the student kernel's gradient in fp32 (default: on for bf16/fp16
     kernels). ``dtype``: the matmuls' dtype, as Flax's ``dtype`` (default: the inputs' own): both inputs and
     kernels are cast to it, except an fp32 student kernel of a bf16/fp16 ``dtype``, a master kernel (see
-    :func:`liger_jax.fused_linear_cross_entropy`). Loss in the student's dtype. Differentiable in ``student_input`` and ``student_kernel``; the
-    teacher is a constant (zero cotangents).
+    :func:`liger_jax.fused_linear_cross_entropy`). Loss in the student's dtype. Differentiable in
+    ``student_input`` and ``student_kernel``; the teacher is a constant (zero cotangents).
     """
     xs = as_array("student_input", student_input)
     ws = as_array("student_kernel", student_kernel)

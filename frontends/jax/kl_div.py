@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from liger_core import kl_div as core
-from liger_core.launch import ArrayInfo
+from liger_core.launch import ArrayInfo, check_bool
 
 from ._launch import as_array, info, run_plan
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
@@ -107,4 +107,5 @@ def kl_div(log_predictions, targets, *, reduction: str = "mean", log_target: boo
     x = as_array("log_predictions", log_predictions)
     target = as_array("targets", targets)
     core.check_inputs(info(x), info(target), reduction, "log_predictions", "targets")
-    return _kl_div(x, target, reduction, bool(log_target), bool(grad_in_forward))
+    return _kl_div(x, target, reduction, check_bool(log_target, "log_target"),
+                   check_bool(grad_in_forward, "grad_in_forward"))

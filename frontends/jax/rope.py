@@ -18,6 +18,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from liger_core import rope as core
+from liger_core.launch import check_bool
 
 from ._launch import as_array, broadcast_unbatched, dtype_name, info, optional_info, run_plan
 from ._sharding import Rule, partitioned
@@ -140,4 +141,5 @@ def rope(q, k, cos, sin, *, position_ids=None, interleaved: bool = False):
     core.forward_plan(info(q), info(k), info(cos), info(sin), optional_info(position_ids), head_axis=_HEAD_AXIS,
                       interleaved=interleaved)
     _check_positions(position_ids, core.n_positions(info(cos)))
-    return _rope(q, k, cos, sin, position_ids, bool(interleaved), (dtype_name(q.dtype), dtype_name(k.dtype)))
+    return _rope(q, k, cos, sin, position_ids, check_bool(interleaved, "interleaved"),
+                 (dtype_name(q.dtype), dtype_name(k.dtype)))

@@ -128,6 +128,17 @@ def check_tensors(**tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
+def refuse_grad(op: str, what: str, **tensors: torch.Tensor | None) -> None:
+    """ValueError naming the first of ``tensors`` that requires grad (under grad mode): ``op`` differentiates
+    ``what`` only, and a gradient silently left at None would look like a frozen parameter."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name} requires grad, but liger_torch.{op} differentiates {what} only; pass "
+                             f"{name}.detach()")
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from liger_core import cross_entropy as core
+from liger_core.launch import check_bool
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import capturing_cuda_graph, check_tensors, info, optional_info, rowwise, run_plan
+from ._launch import capturing_cuda_graph, check_tensors, info, optional_info, refuse_grad, rowwise, run_plan
 
 
 def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int, denom: torch.Tensor,
@@ -193,17 +194,18 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     such a target's loss is then NaN).
     """
     check_tensors(logits=logits, target=target, weight=weight)
+    refuse_grad("cross_entropy", "the logits (as torch's, the class weights get no gradient)", weight=weight)
     core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                        lse_square_scale=lse_square_scale, softcap=softcap)
     _check_2d(logits, target)
     core.check_inputs(info(logits), info(target), optional_info(weight))
     args = (logits, target, weight, int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
-            None if softcap is None else float(softcap), bool(return_z_loss))
+            None if softcap is None else float(softcap), check_bool(return_z_loss, "return_z_loss"))
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     if compiling():
         loss, z_loss, _ = forward_op(*args, compute_grad)
         return (loss, z_loss) if return_z_loss else loss
-    return LigerCrossEntropyFunction.apply(*args, bool(in_place), compute_grad)
+    return LigerCrossEntropyFunction.apply(*args, check_bool(in_place, "in_place"), compute_grad)
 
 
 class CrossEntropyLoss(nn.Module):
@@ -216,6 +218,8 @@ class CrossEntropyLoss(nn.Module):
         super().__init__()
         core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                            lse_square_scale=lse_square_scale, softcap=softcap)
+        check_bool(return_z_loss, "return_z_loss")
+        check_bool(in_place, "in_place")
         self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
         self.reduction = reduction

@@ -16,9 +16,10 @@ from torch import nn
 
 from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
+from liger_core.launch import check_bool
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
+from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, refuse_grad, run_plan
 from .cross_entropy import scale_grad, start_target_check
 
 # x is typically a model's last hidden states and weight its lm_head's: a model cast in part (or on one rank
@@ -362,11 +363,13 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     (default: on for bf16/fp16 weights). Under ``torch.autocast`` x, weight and bias are cast to the autocast
     dtype first, as ``F.linear`` would, except an fp32 weight (mixed precision's master weight): the loop casts
     it once and accumulates its gradient in fp32 straight into the fp32 gradient (no accumulator beside it, no
-    bf16 gradient cast back; the chunks then hold the default workspace whatever N). The loss (and z-loss) is fp32 whatever x's dtype, as HF's loss functions
-    and Liger-Kernel return it (a bf16 loss near 12 would be rounded to multiples of 1/16); the logits chunks
+    bf16 gradient cast back; the chunks then hold the default workspace whatever N). The loss (and z-loss) is
+    fp32 whatever x's dtype, as HF's loss functions and Liger-Kernel return it (a bf16 loss near 12 would be rounded to multiples of 1/16); the logits chunks
     are in x's dtype (like an lm_head output) and upcast to fp32 inside the kernel.
     """
     check_tensors(x=x, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
+    refuse_grad("fused_linear_cross_entropy", "x, weight and bias (the class weights get no gradient)",
+                ce_weight=ce_weight)
     args = (ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
             chunk_size, accum_dtype_fp32)
     dtype = autocast_dtype(x)
@@ -392,7 +395,7 @@ def _fused_linear_cross_entropy(x, weight, target, bias, ce_weight, ignore_index
     accum_fp32 = core.accumulate_in_fp32(dtype_name(weight.dtype), accum_dtype_fp32)
     opts = dict(ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
                 lse_square_scale=float(lse_square_scale), softcap=None if softcap is None else float(softcap),
-                return_z_loss=bool(return_z_loss))
+                return_z_loss=check_bool(return_z_loss, "return_z_loss"))
     if compiling():
         loss, z_loss, *_ = forward_op(x, weight, target, bias, ce_weight, *_pack(opts, chunk_size, accum_fp32, need))
         return (loss, z_loss) if return_z_loss else loss
@@ -410,6 +413,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         super().__init__()
         ce_core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                               lse_square_scale=lse_square_scale, softcap=softcap)
+        core.check_loop_options(return_z_loss=return_z_loss, chunk_size=chunk_size,
+                                accum_dtype_fp32=accum_dtype_fp32)
         self.register_buffer("ce_weight", ce_weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.lse_square_scale, self.softcap, self.return_z_loss = lse_square_scale, softcap, return_z_loss

@@ -15,7 +15,7 @@ from liger_core import fused_linear_cross_entropy as flce_core
 from liger_core import fused_linear_jsd as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, run_plan
+from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, refuse_grad, run_plan
 from .fused_linear_cross_entropy import accumulate_linear_grads, matmul_weight, scaled_grads, weight_grad_buffers
 
 
@@ -172,10 +172,8 @@ def _fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weig
                               optional_info(labels), master_weight_ok=master_weight_ok)
     core.chunk_rows(1, vocab, dtype_name(student_input.dtype), chunk_size)  # validates chunk_size
     grad_on = torch.is_grad_enabled()
-    for name, t in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
-        if grad_on and t.requires_grad:
-            raise ValueError(f"{name} requires grad, but liger_torch.fused_linear_jsd differentiates the student "
-                             f"only; pass {name}.detach() (or freeze the teacher)")
+    refuse_grad("fused_linear_jsd", "the student (freeze the teacher)", teacher_input=teacher_input,
+                teacher_weight=teacher_weight)
     need = tuple(bool(grad_on and t.requires_grad) for t in (student_input, student_weight))
     accum_fp32 = core.accumulate_in_fp32(dtype_name(student_weight.dtype), accum_dtype_fp32)
     opts = dict(beta=float(beta), ignore_index=int(ignore_index), temperature=float(temperature))
@@ -194,6 +192,7 @@ class FusedLinearJSD(nn.Module):
                  chunk_size: int | None = None, accum_dtype_fp32: bool | None = None):
         super().__init__()
         core.check_options(beta=beta, ignore_index=ignore_index, temperature=temperature)
+        flce_core.check_loop_options(chunk_size=chunk_size, accum_dtype_fp32=accum_dtype_fp32)
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
         self.chunk_size, self.accum_dtype_fp32 = chunk_size, accum_dtype_fp32
 

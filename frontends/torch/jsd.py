@@ -8,7 +8,7 @@ from torch import nn
 from liger_core import jsd as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, info, optional_info, rowwise, run_plan
+from ._launch import check_tensors, info, optional_info, refuse_grad, rowwise, run_plan
 
 
 def _labels(labels):
@@ -110,9 +110,7 @@ def jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, labels: 
     check_tensors(student_logprobs=student_logprobs, teacher_logprobs=teacher_logprobs, labels=labels)
     core.check_options(beta=beta, ignore_index=ignore_index)
     core.check_inputs(info(student_logprobs), info(teacher_logprobs), optional_info(labels))
-    if teacher_logprobs.requires_grad and torch.is_grad_enabled():
-        raise ValueError("teacher_logprobs requires grad, but liger_torch.jsd differentiates the student only; "
-                         "pass teacher_logprobs.detach()")
+    refuse_grad("jsd", "the student", teacher_logprobs=teacher_logprobs)
     compute_grad = torch.is_grad_enabled() and student_logprobs.requires_grad
     if compiling():
         return forward_op(student_logprobs, teacher_logprobs, labels, float(beta), int(ignore_index), compute_grad)[0]

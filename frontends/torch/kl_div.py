@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from liger_core import kl_div as core
-from liger_core.launch import ArrayInfo
+from liger_core.launch import ArrayInfo, check_bool
 
 from ._custom_ops import compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, rowwise, run_plan
+from ._launch import check_tensors, dtype_name, info, refuse_grad, rowwise, run_plan
 
 
 def _forward(x, target, reduction, log_target, compute_grad=False):
@@ -116,13 +116,12 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean", l
     """
     check_tensors(input=input, target=target)
     core.check_inputs(info(input), info(target), reduction)
-    if target.requires_grad and torch.is_grad_enabled():
-        raise ValueError("target requires grad, but liger_torch.kl_div differentiates input only; pass "
-                         "target.detach()")
+    log_target, grad_in_forward = check_bool(log_target, "log_target"), check_bool(grad_in_forward, "grad_in_forward")
+    refuse_grad("kl_div", "input", target=target)
     if compiling():
-        return forward_op(input, target, reduction, bool(log_target))
+        return forward_op(input, target, reduction, log_target)
     compute_grad = grad_in_forward and torch.is_grad_enabled() and input.requires_grad and reduction != "none"
-    return LigerKLDivFunction.apply(input, target, reduction, bool(log_target), compute_grad)
+    return LigerKLDivFunction.apply(input, target, reduction, log_target, compute_grad)
 
 
 class KLDivLoss(nn.Module):
@@ -132,6 +131,8 @@ class KLDivLoss(nn.Module):
         super().__init__()
         if reduction not in core.REDUCTIONS:
             raise ValueError(f"reduction must be one of {core.REDUCTIONS}, got {reduction!r}")
+        check_bool(log_target, "log_target")
+        check_bool(grad_in_forward, "grad_in_forward")
         self.reduction = reduction
         self.log_target = log_target
         self.grad_in_forward = grad_in_forward

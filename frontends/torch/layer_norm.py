@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from liger_core import layer_norm as core
+from liger_core.launch import check_bool, check_eps, check_positive_int
 
 from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, info, num_sms, optional_info, rowwise, run_plan
@@ -112,11 +113,15 @@ class LayerNorm(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         if isinstance(hidden_size, numbers.Integral):
-            hidden_size = (int(hidden_size),)
-        hidden_size = tuple(int(d) for d in hidden_size)
+            hidden_size = (hidden_size,)
+        hidden_size = tuple(hidden_size)
         if len(hidden_size) != 1:
             raise ValueError(f"hidden_size must be an int or a 1-tuple (only the last dimension is normalised), "
                              f"got {hidden_size}")
+        hidden_size = (check_positive_int(hidden_size[0], "hidden_size"),)
+        check_eps(eps)
+        check_bool(elementwise_affine, "elementwise_affine")
+        check_bool(bias, "bias")
         self.normalized_shape = hidden_size
         self.eps = eps
         self.elementwise_affine = elementwise_affine

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from liger_core import rms_norm as core
+from liger_core.launch import check_bool, check_eps, check_finite, check_positive_int
 
 from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan, sole_reference
@@ -109,7 +110,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
     check_tensors(x=x, weight=weight)
     if compiling():
         return forward_op(x, weight, float(eps), float(offset), casting_mode)[0]
-    return LigerRMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, bool(in_place))
+    return LigerRMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode,
+                                      check_bool(in_place, "in_place"))
 
 
 class RMSNorm(nn.Module):
@@ -122,6 +124,10 @@ class RMSNorm(nn.Module):
             raise ValueError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
         if casting_mode not in core.CASTING_MODES:
             raise ValueError(f"casting_mode must be one of {tuple(core.CASTING_MODES)}, got {casting_mode!r}")
+        hidden_size = check_positive_int(hidden_size, "hidden_size")
+        check_eps(eps)
+        check_finite(offset, "offset")
+        check_bool(in_place, "in_place")
         fill = torch.ones if init_fn == "ones" else torch.zeros
         self.weight = nn.Parameter(fill(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps

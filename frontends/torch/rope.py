@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from liger_core import rope as core
+from liger_core.launch import check_bool
 
 from ._custom_ops import compiling, define, empty_like
 from ._launch import capturing_cuda_graph, check_tensors, dtype_name, info, optional_info, run_plan
@@ -117,10 +118,11 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     check_tensors(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
     if unsqueeze_dim not in _HEAD_AXES:
         raise ValueError(f"unsqueeze_dim must be 1 (q/k as (B, H, T, D)) or 2 ((B, T, H, D)), got {unsqueeze_dim!r}")
+    interleaved = check_bool(interleaved, "interleaved")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("rope does not differentiate with respect to cos/sin; pass cos.detach() / sin.detach() "
                          "(HF's rotary embedding computes them without gradient)")
     if compiling():
-        return forward_op(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], bool(interleaved))
-    return LigerRopeFunction.apply(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], bool(interleaved),
-                                   bool(in_place))
+        return forward_op(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], interleaved)
+    return LigerRopeFunction.apply(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], interleaved,
+                                   check_bool(in_place, "in_place"))

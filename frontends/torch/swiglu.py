@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 
 from liger_core import swiglu as core
+from liger_core.launch import check_bool
 
 from ._custom_ops import compiling, define, empty_like
 from ._launch import check_tensors, info, optional_info, rowwise, run_plan
@@ -112,7 +113,7 @@ def _gated(a, b, activation, in_place):
     check_tensors(a=a, b=b)
     if compiling():
         return forward_op(a, b, activation)
-    return LigerGatedActivationFunction.apply(a, b, activation, bool(in_place))
+    return LigerGatedActivationFunction.apply(a, b, activation, check_bool(in_place, "in_place"))
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
@@ -181,7 +182,7 @@ def _gated_linear(a, b, weight, bias, activation, in_place):
                 raise TypeError(f"{name} must have a's dtype {a.dtype} (outside autocast), got {p.dtype}")
     if not _can_fuse_linear(a.dtype, weight, bias):
         return torch.nn.functional.linear(_gated(a, b, activation, in_place), weight, bias)
-    return LigerGatedLinearFunction.apply(a, b, weight, bias, activation, bool(in_place))
+    return LigerGatedLinearFunction.apply(a, b, weight, bias, activation, check_bool(in_place, "in_place"))
 
 
 def swiglu_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

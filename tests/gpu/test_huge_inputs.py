@@ -237,3 +237,32 @@ def test_fused_linear_cross_entropy_past_2_31_logits(chunk_size):
     assert_close(xl.grad[CE_CHECK], xr.grad, BF16, f"dx at rows {CE_CHECK}")
     assert bool(torch.isfinite(wl.grad).all())
     assert_close(wl.grad, wr.grad, BF16, "dW", scale=2.0)
+
+
+# ----------------------------------------------------------------------------------------------- KL divergence
+KL_N = 1_100_000_000  # one flattened row: 67k forward chunks and 269k backward blocks, past grid axis 1's 65535
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_kl_div_of_a_flattened_array_past_grid_axis_1(grad_in_forward):
+    """KL divergence of one 1.1G-element row (2.2 GB a bf16 array): its column blocks exceed CUDA's 65535
+    programs on grid axis 1, so the launches run on one axis decoded in the kernel (launch.rows_by_blocks_grid).
+    The sum is checked against an fp64 sum over slices; the gradient (-exp(target) * g) is written everywhere
+    (poisoned NaN otherwise) and exact at both ends and around the block counts where axis 1 used to stop."""
+    need_gib(12)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(KL_N, generator=gen, device="cuda", dtype=BF16).mul_(0.5).sub_(3)
+    t = torch.randn(KL_N, generator=gen, device="cuda", dtype=BF16).mul_(0.5).sub_(3)
+    leaf = x.requires_grad_(True)
+    loss = liger_torch.kl_div(leaf, t, "sum", log_target=True, grad_in_forward=grad_in_forward)
+    loss.backward(torch.tensor(0.5, device="cuda", dtype=BF16))
+    step = 2**27
+    expected = sum(float(torch.nn.functional.kl_div(x[i:i + step].double(), t[i:i + step].double(),
+                                                    reduction="sum", log_target=True))
+                   for i in range(0, KL_N, step))
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64), BF16, "sum", scale=KL_N ** 0.5)
+    dx = leaf.grad
+    assert bool(torch.isfinite(dx).all()), "gradient blocks left unwritten (NaN poison)"
+    for at in (0, 65535 * 4096 - 5, 65535 * 16384 - 5, KL_N - 8):
+        window = slice(at, at + 8)
+        assert_close(dx[window], -t[window].double().exp() * 0.5, BF16, f"dinput at {at}")

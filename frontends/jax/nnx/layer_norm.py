@@ -7,6 +7,7 @@ from types import MappingProxyType
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
+from liger_core.launch import check_eps, check_positive_int
 
 from ..layer_norm import layer_norm
 
@@ -33,6 +34,8 @@ class LayerNorm(nnx.Module):
         if axis_name is not None or axis_index_groups is not None:
             raise ValueError("axis_name / axis_index_groups (cross-device statistics) are not supported by "
                              "liger_jax.nnx.LayerNorm; use flax.nnx.LayerNorm")
+        num_features = check_positive_int(num_features, "num_features")
+        check_eps(epsilon, "epsilon")
         feature_shape = (num_features,)
         if use_scale:
             self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype), **dict(scale_metadata))

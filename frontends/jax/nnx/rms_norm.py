@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
+from liger_core.launch import check_eps, check_positive_int
 
 from ..rms_norm import rms_norm
 
@@ -27,6 +28,8 @@ class RMSNorm(nnx.Module):
         if axis_name is not None or axis_index_groups is not None:
             raise ValueError("axis_name / axis_index_groups (cross-device statistics) are not supported by "
                              "liger_jax.nnx.RMSNorm; use flax.nnx.RMSNorm")
+        num_features = check_positive_int(num_features, "num_features")
+        check_eps(epsilon, "epsilon")
         if use_scale:
             self.scale = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype),
                                    **dict(scale_metadata or {}))
