@@ -320,7 +320,14 @@ def as_real(value, name: str) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):  # a jax tracer's ConcretizationTypeError is a TypeError too
-        raise TypeError(f"{name} must be a real number, got {value!r}") from None
+        raise TypeError(f"{name} must be a real number, got {value!r}{_traced_hint(value)}") from None
+
+
+def _traced_hint(value) -> str:
+    """The remedy for an option traced under jax.jit (a tracer is neither a float nor an int to the plans)."""
+    if "Tracer" in type(value).__name__:
+        return "; options are compile-time constants: pass a Python number (static under jax.jit)"
+    return ""
 
 
 def check_finite(value, name: str) -> float:
@@ -352,7 +359,7 @@ INT64_RANGE = (-(2**63), 2**63 - 1)
 def check_int(value, name: str) -> int:
     """An integer scalar option (Python or numpy int, not a bool) that fits a kernel's int64 argument."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+        raise TypeError(f"{name} must be an int, got {value!r}{_traced_hint(value)}")
     result = int(value)
     if not INT64_RANGE[0] <= result <= INT64_RANGE[1]:
         raise ValueError(f"{name} must fit in int64, got {result}")

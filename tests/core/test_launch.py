@@ -211,3 +211,17 @@ def test_grids_past_cuda_axis_limits():
                  kl_div.backward_plan(ArrayInfo((), (), "float32"), flat, flat, reduction="sum")):
         main = plan.launches[0]
         assert len(main.grid) == 1 and main.constexprs["FLAT_GRID"], main.grid
+
+
+def test_option_checks_name_the_remedy_for_a_traced_value():
+    """A jax tracer passed as a scalar option (an option made an argument of a jitted function) gets the remedy
+    in its TypeError; a plain wrong value does not."""
+    from liger_core.launch import as_real, check_int
+
+    jax = pytest.importorskip("jax")
+    for check, name in ((as_real, "label_smoothing"), (check_int, "ignore_index")):
+        with pytest.raises(TypeError, match=rf"^{name} must be .* pass a Python number \(static under jax.jit\)"):
+            jax.jit(lambda v: check(v, name))(1)
+        with pytest.raises(TypeError) as info:
+            check("1", name)
+        assert "static" not in str(info.value)
