@@ -132,6 +132,6 @@ def fused_add_rms_norm(x, residual, scale=None, *, epsilon: float = 1e-6, offset
     scale = None if scale is None else as_array("scale", scale)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
     core.forward_plan(info(x), info(residual), optional_info(scale), eps=epsilon, offset=offset,
-                      casting_mode=casting_mode, weight_name="scale")
+                      casting_mode=casting_mode, weight_name="scale", eps_name="epsilon")
     return _fused_add_rms_norm(x, residual, scale, float(epsilon), float(offset), casting_mode,
                                dtype_name(x.dtype), dtype_name(residual.dtype))

@@ -133,5 +133,6 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6):
     scale = None if scale is None else as_array("scale", scale)
     bias = None if bias is None else as_array("bias", bias)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
-    core.forward_plan(info(x), optional_info(scale), optional_info(bias), eps=epsilon, weight_name="scale")
+    core.forward_plan(info(x), optional_info(scale), optional_info(bias), eps=epsilon, weight_name="scale",
+                      eps_name="epsilon")
     return _layer_norm(x, scale, bias, float(epsilon))

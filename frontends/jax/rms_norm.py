@@ -111,5 +111,5 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, offset: float = 0.0, casti
     scale = None if scale is None else as_array("scale", scale)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
     core.forward_plan(info(x), None if scale is None else info(scale), eps=epsilon, offset=offset,
-                      casting_mode=casting_mode, weight_name="scale")
+                      casting_mode=casting_mode, weight_name="scale", eps_name="epsilon")
     return _rms_norm(x, scale, float(epsilon), float(offset), casting_mode)

@@ -106,6 +106,9 @@ def check_tensors(**tensors: torch.Tensor | None) -> torch.device:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"{name} has an unsupported dtype {t.dtype} (the kernels take float32, bfloat16 and "
+                            "float16 data, integer targets and positions)")
         if dtensor is not None and isinstance(t, dtensor):
             raise ValueError(f"{name} is a DTensor ({t.placements} on a {tuple(t.device_mesh.shape)} mesh), but the "
                              f"kernels take local tensors: pass {name}.full_tensor() (the whole array) or "

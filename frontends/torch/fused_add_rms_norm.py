@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from liger_core import fused_add_rms_norm as core
-from liger_core.launch import check_bool, promote
+from liger_core.launch import check_bool, check_eps, check_finite, promote
 
 from ._custom_ops import absent, compiling, define, empty_like
 from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan, sole_reference
@@ -127,10 +127,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     dtypes agree (one write fewer).
     """
     check_tensors(x=x, residual=residual, weight=weight)
+    eps, offset = check_eps(eps), check_finite(offset, "offset")
     if compiling():
-        y, h, _ = forward_op(x, residual, weight, float(eps), float(offset), casting_mode)
+        y, h, _ = forward_op(x, residual, weight, eps, offset, casting_mode)
         return y, h
-    return LigerFusedAddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting_mode,
+    return LigerFusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, casting_mode,
                                               check_bool(in_place, "in_place"))
 
 

@@ -100,9 +100,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
     Computed in fp32, rounded once to x's dtype, as ``torch.nn.functional.layer_norm`` does."""
     check_tensors(x=x, weight=weight, bias=bias)
+    eps = check_eps(eps)
     if compiling():
-        return forward_op(x, weight, bias, float(eps))[0]
-    return LigerLayerNormFunction.apply(x, weight, bias, float(eps))
+        return forward_op(x, weight, bias, eps)[0]
+    return LigerLayerNormFunction.apply(x, weight, bias, eps)
 
 
 class LayerNorm(nn.Module):

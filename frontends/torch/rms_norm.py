@@ -108,9 +108,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
     written in place (``in_place`` has no effect there; see ``liger_torch._custom_ops``).
     """
     check_tensors(x=x, weight=weight)
+    eps, offset = check_eps(eps), check_finite(offset, "offset")
     if compiling():
-        return forward_op(x, weight, float(eps), float(offset), casting_mode)[0]
-    return LigerRMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode,
+        return forward_op(x, weight, eps, offset, casting_mode)[0]
+    return LigerRMSNormFunction.apply(x, weight, eps, offset, casting_mode,
                                       check_bool(in_place, "in_place"))
 
 
