@@ -323,3 +323,76 @@ def test_norm_outputs_are_recomputed_not_saved(family, device, seed, monkeypatch
     assert torch.equal(loss, loss_kept)
     for name in grads_kept:
         assert torch.equal(grads[name], grads_kept[name]), name
+
+
+def test_cross_entropy_mode_output_order(device, seed):
+    """The kernel-CE mode's output keeps HF's order: the loss first (then Mixtral's aux loss, the logits, ...),
+    by key, by index and as a tuple (``return_dict=False``)."""
+    ids, labels = batch(seed, device)
+    ref = build("mixtral", seed, device)
+    ref.train()
+    ref_out = ref(input_ids=ids, labels=labels)
+    model = copy.deepcopy(ref)
+    apply_liger_kernel(model, cross_entropy=True, fused_linear_cross_entropy=False)
+    out = model(input_ids=ids, labels=labels)
+    assert list(out.keys()) == list(ref_out.keys())
+    assert_close(out[0], ref_out.loss, F32, "out[0] (the loss)")
+    as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+    assert len(as_tuple) == len(ref_out.to_tuple())
+    assert_close(as_tuple[0], ref_out.loss, F32, "tuple[0] (the loss)")
+    assert_close(as_tuple[1], ref_out.aux_loss, F32, "tuple[1] (the aux loss)")
+    assert_close(as_tuple[2], ref_out.logits, F32, "tuple[2] (the logits)")
+
+
+@pytest.mark.parametrize("level", ["instance", "class"])
+def test_patched_model_pickles_and_deepcopies(level, device, seed, tmp_path):
+    """``torch.save(model)`` of a patched model (pickle records classes by module and name) loads as the
+    unpatched model (patch it again after loading; a class-level patch is loaded outside the patch, as in a
+    fresh process); ``copy.deepcopy`` keeps the patch. Either way the parameters and the loss come back."""
+    ids, labels = batch(seed, device)
+    if level == "instance":
+        model = apply_liger_kernel(build("llama", seed, device))
+        torch.save(model, tmp_path / "model.pt")
+    else:
+        with liger_kernel_patched("llama"):
+            model = build("llama", seed, device)
+            torch.save(model, tmp_path / "model.pt")
+    count = liger_module_count(model)
+    assert count > 0
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert liger_module_count(loaded) == 0
+    copied = copy.deepcopy(model)
+    assert liger_module_count(copied) == count and type(copied) is type(model)
+    for other in (loaded, copied):
+        assert other.state_dict().keys() == model.state_dict().keys()
+        for n, p in model.state_dict().items():
+            assert torch.equal(other.state_dict()[n], p), n
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert_close(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss, F32,
+                     "loss after a pickle round trip")
+
+
+def test_multimodal_model_whose_loss_is_not_patched_warns(device, seed):
+    """Gemma 3's multimodal model holds no Gemma3ForCausalLM: its text layers are patched, its loss is HF's own,
+    and patching says so (by instance and by its model_type)."""
+    import transformers as t
+
+    text = config("gemma3")
+    vision = t.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=28, patch_size=14)
+    multimodal = t.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = t.Gemma3ForConditionalGeneration(multimodal).to(device)
+    with pytest.warns(UserWarning, match="holds no Gemma3ForCausalLM"):
+        apply_liger_kernel(model)
+    assert liger_module_count(model) > 0
+    with pytest.warns(UserWarning, match="builds a Gemma3ForConditionalGeneration, whose loss is not patched"):
+        with liger_kernel_patched("gemma3"):
+            pass
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with liger_kernel_patched("gemma3_text"):
+            pass
+        apply_liger_kernel(build("gemma3", seed, device))

@@ -261,7 +261,8 @@ def _ce_forward(self, family, original, params, kwargs):
     aux_loss = getattr(out, "aux_loss", None)
     if aux_loss is not None:
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    out.loss = loss
+    # a new output with the loss in its field's place: set on the old one it would come last in the tuple
+    out = type(out)(loss=loss, **{key: value for key, value in out.items() if key != "loss"})
     return out if return_dict else out.to_tuple()
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copyreg
+import sys
 import types
 
 # (family name, target object, attribute, previous value or _MISSING), in the order applied.
@@ -57,15 +59,46 @@ def liger_subclass(base: type, kind: str, key: tuple, namespace: dict, keep_name
     """A cached subclass of ``base`` with ``namespace`` (methods and settings) overriding it. Same constructor,
     attributes and parameters, so an instance's ``__class__`` may be swapped between the two. The name is
     ``Liger<Base>`` (it still contains ``RMSNorm`` etc., which transformers' weight init matches on) unless
-    ``keep_name`` (model classes: ``save_pretrained`` writes the class name into ``config.architectures``)."""
+    ``keep_name`` (model classes: ``save_pretrained`` writes the class name into ``config.architectures``).
+    Its module and qualified name are the base's, where class-level patching puts it; an instance pickles as the
+    class found there (``_reduce_as_reachable``)."""
     base = original_class(base)
     cache_key = (base, kind, key)
     if cache_key not in _SUBCLASSES:
         name = base.__name__ if keep_name else f"Liger{base.__name__}"
         ns = {"_liger_base": base, "_liger_kind": kind, "__module__": base.__module__,
-              "__qualname__": name if keep_name else f"{base.__qualname__}[liger]", **namespace}
+              "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_as_reachable,
+              "__deepcopy__": _deepcopy_keeping_class, **namespace}
         _SUBCLASSES[cache_key] = type(name, (base,), ns)
     return _SUBCLASSES[cache_key]
+
+
+def _reachable(cls: type) -> type:
+    """The class that ``cls``'s module and qualified name lead to now: ``cls`` itself under class-level
+    patching, the unpatched class under instance patching (or after a revert)."""
+    found = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) and issubclass(found, original_class(cls)) else original_class(cls)
+
+
+def _reduce_as_reachable(self, protocol):
+    """pickle (``torch.save(model)``) records a class by module and name, where an instance-patched module's
+    class is not: it is pickled as the class found there, so it loads unpatched (patch it again after loading)
+    and, in a process patched at class level, as the patched class."""
+    # copyreg's own reconstructor (pickle's for protocols 0 and 1): __newobj__ must name the object's class
+    return copyreg._reconstructor, (_reachable(type(self)), object, None), self.__getstate__()
+
+
+def _deepcopy_keeping_class(self, memo):
+    """``copy.deepcopy`` of a patched instance stays patched (it would otherwise go through
+    ``_reduce_as_reachable``): the default copy, with the instance's own class."""
+    import copy
+
+    clone = type(self).__new__(type(self))
+    memo[id(self)] = clone
+    clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    return clone
 
 
 def swap_classes(model, mapping: dict[type, type]) -> int:

@@ -145,6 +145,9 @@ def _apply(family: Family, *, rope=True, cross_entropy=False, fused_linear_cross
     if rope and attention is not None and hasattr(module, "apply_rotary_pos_emb"):
         forward = with_globals(attention.forward, {"apply_rotary_pos_emb": _rope_fn(module)})
         mapping[attention] = liger_subclass(attention, "rope", (), {"forward": forward})
+    if loss_mode and causal_lm is not None and not any(isinstance(m, causal_lm) for m in model.modules()):
+        warnings.warn(f"liger_torch: {type(model).__name__} holds no {causal_lm.__name__}, whose loss is the one "
+                      f"patched: its layers are patched, its loss is HF's own (logits materialised)", stacklevel=3)
     if loss_mode and causal_lm is not None:
         mapping[causal_lm] = liger_subclass(
             causal_lm, f"causal_lm:{loss_mode}", (),
@@ -227,6 +230,10 @@ def _options(family: Family, kwargs: dict) -> dict:
     return out
 
 
+# Multimodal model types of a supported family: their text layers are the family's, their loss is not patched.
+_LOSS_NOT_PATCHED = {"gemma3": "Gemma3ForConditionalGeneration"}
+
+
 def apply_liger_kernel(model_or_model_type, **kwargs):
     """Patch by ``config.model_type``: a model instance (PEFT-wrapped too) is patched in place and returned; a
     model_type string or a config patches the family's modeling module (models built afterwards)."""
@@ -244,7 +251,14 @@ def apply_liger_kernel(model_or_model_type, **kwargs):
         raise TypeError(f"apply_liger_kernel takes a model, a config or a model_type string, got "
                         f"{type(target).__name__}")
     family = _family_of(model_type)
-    return APPLY_FUNCTIONS[family.name](model=model, **_options(family, kwargs))
+    options = _options(family, kwargs)
+    if model is None and model_type in _LOSS_NOT_PATCHED and (options.get("fused_linear_cross_entropy", True)
+                                                              or options.get("cross_entropy", False)):
+        warnings.warn(f"liger_torch: model_type {model_type!r} builds a {_LOSS_NOT_PATCHED[model_type]}, whose "
+                      "loss is not patched (only the text-only *ForCausalLM's is): its layers are patched, its "
+                      "loss is HF's own (logits materialised)", stacklevel=2)
+    return APPLY_FUNCTIONS[family.name](model=model, **options)
+
 
 
 def revert_liger_kernel(target=None) -> int:
