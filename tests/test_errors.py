@@ -100,6 +100,22 @@ def _on_every_function(make_bad):
     return case
 
 
+def _first_output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _torch_second_derivative(d, fragment, error):
+    """Every function: the gradient of its first input taken with create_graph, then differentiated again."""
+    for fn_name, good in TORCH_GOOD.items():
+        kwargs = good(d)
+        first = next(iter(kwargs))
+        x = kwargs[first].detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(_first_output(torch_call(fn_name, d, **{first: x})).sum(), x,
+                                      create_graph=True)
+        with pytest.raises(error, match=re.escape(fragment)):
+            (grad * grad).sum().backward()
+
+
 def _only(gpu):
     def wrap(case):
         def run(d, fragment, error):
@@ -126,6 +142,7 @@ TORCH_CASES = {
     "all.unsupported_torch_dtype": _on_every_function(lambda t: t.to(torch.complex64)),
     "all.device_interpreter": _only(gpu=False)(_on_every_function(lambda t: torch.empty(t.shape, device="meta"))),
     "all.device_not_cuda": _only(gpu=True)(_on_every_function(lambda t: t.cpu())),
+    "all.second_derivative": _torch_second_derivative,
 
     "rms_norm.x_scalar": ("rms_norm", lambda d: dict(x=T(d), weight=None)),
     "rms_norm.x_empty": ("rms_norm", lambda d: dict(x=T(d, 0, 8))),
@@ -370,6 +387,32 @@ def _jax_grad_wrt_cos():
     jax.grad(lambda c: liger_jax.rope(cos=c, **args)[0].sum())(cos)
 
 
+def _jax_second_derivative(fragment, error):
+    """Every function: the gradient of a sum of its first input's gradient (grad of grad)."""
+    import jax
+
+    _, liger_jax = _jax()
+    for fn_name, good in JAX_GOOD.items():
+        args = good()
+        first = next(iter(args))
+        x = args.pop(first)
+        f = lambda v: _first_output(getattr(liger_jax, fn_name)(**{first: v}, **args)).sum()  # noqa: E731
+        with pytest.raises(error, match=re.escape(fragment)):
+            jax.grad(lambda v: (jax.grad(f)(v) ** 2).sum())(x)
+
+
+def _jax_grad_wrt(fn_name, arg, **extra):
+    """A case: ``jax.grad`` of the function's (first) output with respect to ``arg``, a constant of the op."""
+    def case():
+        import jax
+
+        _, liger_jax = _jax()
+        args = {**JAX_GOOD[fn_name](), **extra}
+        value = args.pop(arg)
+        jax.grad(lambda v: getattr(liger_jax, fn_name)(**{arg: v}, **args).sum())(value)
+    return case
+
+
 def _nnx(name, *args, call=None, **kwargs):
     def case():
         from flax import nnx
@@ -430,6 +473,13 @@ JAX_CASES = {
     "rope.position_ids_float": ("rope", lambda: dict(position_ids=JT(7))),
     "rope.position_ids_shape": ("rope", lambda: dict(position_ids=JI(3, 7))),
     "rope.cos_requires_grad": _jax_grad_wrt_cos,
+    "all.second_derivative": _jax_second_derivative,
+    "cross_entropy.weight_requires_grad": _jax_grad_wrt("cross_entropy", "weight", weight=JT(10) ** 2),
+    "fused_linear_cross_entropy.ce_weight_requires_grad": _jax_grad_wrt("fused_linear_cross_entropy", "ce_weight",
+                                                                         ce_weight=JT(10) ** 2),
+    "kl_div.target_requires_grad": _jax_grad_wrt("kl_div", "targets"),
+    "jsd.teacher_requires_grad": _jax_grad_wrt("jsd", "teacher_logprobs"),
+    "fused_linear_jsd.teacher_requires_grad": _jax_grad_wrt("fused_linear_jsd", "teacher_kernel"),
     "rope.interleaved_type": ("rope", lambda: dict(interleaved="no")),
 
     "swiglu.a_scalar": ("swiglu", lambda: dict(a=JT(), b=JT())),
@@ -539,15 +589,23 @@ def test_every_documented_row_has_a_case():
     assert all(spec["torch"] or spec["jax"] for spec in ROWS.values())
 
 
+AFTER_A_GRADIENT = {"all.second_derivative"}
+
+
 @pytest.fixture
 def no_launch(monkeypatch, request):
     """Any kernel launch fails the test: every error must come before the first launch. The exceptions are the
     torch frontend's target checks: a kernel that only reads the targets and counts the invalid ones into a
     fresh buffer (liger_core.cross_entropy.denominators_launch), and, for a bad target value, the loss's own
     kernels, queued before the host reads that count (they read an invalid target as no class: a NaN row; the
-    synchronize below catches any asynchronous error they would leave)."""
+    synchronize below catches any asynchronous error they would leave); and a second derivative, which by its
+    nature comes after a forward and a first backward (rows in AFTER_A_GRADIENT)."""
     launch_for_real = liger_torch._launch._launch
-    target_values = request.node.callspec.params.get("row", "").endswith(".target_out_of_range")
+    row = request.node.callspec.params.get("row", "")
+    target_values = row.endswith(".target_out_of_range")
+    if row in AFTER_A_GRADIENT:
+        yield
+        return
 
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel was launched before the error was raised")

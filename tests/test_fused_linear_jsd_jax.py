@@ -103,11 +103,17 @@ def test_teacher_in_another_dtype(seed):
                  "dstudent_kernel", scale=2 * N ** 0.5)
 
 
-def test_teacher_gets_zero_gradient_and_all_ignored(seed):
+def test_differentiated_teacher_is_refused_and_all_ignored(seed):
+    """The teacher is a constant: differentiating it is a ValueError naming it (not a silent zero gradient);
+    stop_gradient'ed, its gradient is zero."""
     xs, ks, xt, kt, labels = draw(seed, jnp.float32)
-    grads = jax.grad(lambda *a: liger_jax.fused_linear_jsd(*a, labels, chunk_size=CHUNK), (0, 1, 2, 3))(
-        xs, ks, xt, kt)
-    assert not np.any(np.asarray(grads[2])) and not np.any(np.asarray(grads[3]))
+    for argnums, name in (((0, 1, 2), "teacher_input"), ((1, 3), "teacher_kernel")):
+        with pytest.raises(ValueError, match=f"^{name} is differentiated, but liger_jax.fused_linear_jsd"):
+            jax.grad(lambda *a: liger_jax.fused_linear_jsd(*a, labels, chunk_size=CHUNK), argnums)(xs, ks, xt, kt)
+    stopped = lambda a, k, b, c: liger_jax.fused_linear_jsd(a, k, jax.lax.stop_gradient(b), jax.lax.stop_gradient(c),
+                                                             labels, chunk_size=CHUNK)  # noqa: E731
+    grads = jax.grad(stopped, (0, 1, 2, 3))(xs, ks, xt, kt)
+    assert np.any(np.asarray(grads[0])) and not np.any(np.asarray(grads[2])) and not np.any(np.asarray(grads[3]))
     ignored = jnp.full_like(labels, -100)
     loss, grads = jax.value_and_grad(lambda a, k: liger_jax.fused_linear_jsd(a, k, xt, kt, ignored, chunk_size=CHUNK),
                                      (0, 1))(xs, ks)

@@ -60,10 +60,13 @@ def test_forward_and_grad_under_jit(shape, beta, with_labels, dtype, seed):
     assert_close(np.asarray(grad.astype(jnp.float32)) * count, np.asarray(grad_ref) * count, dtype, "dstudent")
 
 
-def test_teacher_gets_zero_gradient_and_vmap(seed):
+def test_differentiated_teacher_is_refused_and_vmap(seed):
     s, t, labels = draw(seed, (3, 4, 259), jnp.float32)
-    ds, dt = jax.grad(lambda a, b: liger_jax.jsd(a, b, labels[0], beta=0.3), argnums=(0, 1))(s[0], t[0])
-    assert not np.any(np.asarray(dt))
+    with pytest.raises(ValueError, match="^teacher_logprobs is differentiated, but liger_jax.jsd differentiates"):
+        jax.grad(lambda a, b: liger_jax.jsd(a, b, labels[0], beta=0.3), argnums=(0, 1))(s[0], t[0])
+    ds, dt = jax.grad(lambda a, b: liger_jax.jsd(a, jax.lax.stop_gradient(b), labels[0], beta=0.3),
+                      argnums=(0, 1))(s[0], t[0])
+    assert np.any(np.asarray(ds)) and not np.any(np.asarray(dt))
     per_example = jax.vmap(lambda a, b, c: liger_jax.jsd(a, b, c, beta=0.3))(s, t, labels)
     for i in range(3):
         assert_close(np.asarray(per_example[i]), np.asarray(reference(s[i], t[i], 0.3, labels[i])), jnp.float32,

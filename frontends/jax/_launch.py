@@ -61,6 +61,25 @@ def as_array(name: str, x):
     raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
 
 
+def undifferentiated(op: str, what: str, name: str, x):
+    """``x``, with a ValueError naming it when it is differentiated: ``op`` differentiates ``what`` only, and a
+    zero cotangent returned for ``x`` would be a silently wrong gradient (as liger_torch raises for a tensor that
+    requires grad). A constant (or stop_gradient'ed) ``x`` has no tangent, so the rule never runs for it."""
+    if x is None:
+        return None
+
+    @jax.custom_jvp
+    def identity(value):
+        return value
+
+    @identity.defjvp
+    def refuse(primals, tangents):
+        raise ValueError(f"{name} is differentiated, but liger_jax.{op} differentiates {what} only; wrap {name} in "
+                         "jax.lax.stop_gradient")
+
+    return identity(x)
+
+
 @functools.lru_cache(maxsize=None)
 def jax_triton():
     """Import jax_triton, undoing its ``TRITON_CACHE_DIR=""`` (which would switch off torch's Triton cache)."""

@@ -255,11 +255,22 @@ def partitioned(body: Callable, rule: Callable) -> Callable:
     op.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
                      sharding_rule=sharding_rule)
 
+    @jax.custom_jvp
     def call(*arrays):
         mesh = _explicit_mesh(arrays)
         return op(*arrays) if mesh is None else _shard_mapped(body, rule, mesh, arrays)
 
+    call.defjvp(_refuse_jvp)
     return call
+
+
+def _refuse_jvp(primals, tangents):
+    """A kernel's JVP is asked for only past first order: the ops' custom_vjp rules give gradients without
+    differentiating the kernels, so this is a gradient of a gradient (jax.hessian, grad of grad), whose error
+    would otherwise name an internal primitive (custom_partitioning)."""
+    raise NotImplementedError(
+        "liger_jax kernels are differentiable once (grad, vjp, value_and_grad, jacrev): derivatives of higher order "
+        "(grad of grad, jax.hessian, jacfwd of a gradient) are not supported; use the jnp reference formulas there")
 
 
 def group_axes(shape, groups: int) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from liger_core import cross_entropy as core
 from liger_core.launch import check_bool
 
-from ._launch import as_array, info, map_over_batch, run_plan
+from ._launch import as_array, info, map_over_batch, run_plan, undifferentiated
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
 
 
@@ -133,12 +133,13 @@ def cross_entropy(logits, labels, *, weight=None, ignore_index: int = -100, redu
     ``lse_square_scale * logsumexp**2`` per non-ignored row; with ``return_z_loss`` the result is
     ``(loss, z_loss)``, ``z_loss`` being that part of ``loss`` (its cotangent is ignored). ``softcap`` maps the
     logits to ``softcap * tanh(logits / softcap)`` first (Gemma 2). The loss has the logits' dtype; ``weight``
-    gets no gradient. Labels are checked when concrete (ValueError); under ``jit`` a bad label makes the loss
-    NaN. Works under ``jit``, ``grad``, ``vmap`` and ``checkpoint``.
+    is not differentiated (a ValueError if asked). Labels are checked when concrete (ValueError); under ``jit``
+    a bad label makes the loss NaN. Works under ``jit``, ``grad``, ``vmap`` and ``checkpoint``.
     """
     logits = as_array("logits", logits)
     labels = as_array("labels", labels)
-    weight = None if weight is None else as_array("weight", weight)
+    weight = None if weight is None else undifferentiated("cross_entropy", "the logits", "weight",
+                                                          as_array("weight", weight))
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
     core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                        lse_square_scale=lse_square_scale, softcap=softcap)

@@ -14,6 +14,7 @@ import math
 import jax
 
 from liger_core import fused_add_rms_norm as core
+from liger_core.launch import as_real
 
 from ._launch import as_array, broadcast_unbatched, dtype_name, info, map_over_batch, num_sms, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, group_axes, like, partitioned, rows_rule
@@ -131,7 +132,8 @@ def fused_add_rms_norm(x, residual, scale=None, *, epsilon: float = 1e-6, offset
     residual = as_array("residual", residual)
     scale = None if scale is None else as_array("scale", scale)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
+    epsilon, offset = as_real(epsilon, "epsilon"), as_real(offset, "offset")  # before the (cached) plan hashes them
     core.forward_plan(info(x), info(residual), optional_info(scale), eps=epsilon, offset=offset,
                       casting_mode=casting_mode, weight_name="scale", eps_name="epsilon")
-    return _fused_add_rms_norm(x, residual, scale, float(epsilon), float(offset), casting_mode,
+    return _fused_add_rms_norm(x, residual, scale, epsilon, offset, casting_mode,
                                dtype_name(x.dtype), dtype_name(residual.dtype))

@@ -23,7 +23,7 @@ from liger_core import cross_entropy as ce_core
 from liger_core import fused_linear_cross_entropy as core
 from liger_core.launch import FLOAT_DTYPES, check_bool
 
-from ._launch import as_array, dtype_name, info, optional_info, run_plan
+from ._launch import as_array, dtype_name, info, optional_info, run_plan, undifferentiated
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch, check_labels, scale_grad_op, sum_over_shards
 
@@ -267,7 +267,8 @@ def fused_linear_cross_entropy(x, kernel, labels, bias=None, *, transpose: bool 
     kernel = as_array("kernel", kernel)
     labels = as_array("labels", labels)
     bias = None if bias is None else as_array("bias", bias)
-    ce_weight = None if ce_weight is None else as_array("ce_weight", ce_weight)
+    ce_weight = None if ce_weight is None else undifferentiated(
+        "fused_linear_cross_entropy", "x, kernel and bias", "ce_weight", as_array("ce_weight", ce_weight))
     layout = "vh" if transpose else "hv"
     if dtype is not None:
         x, kernel, bias = in_matmul_dtype(dtype, x, kernel, bias)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from liger_core import fused_linear_jsd as core
 
-from ._launch import as_array, dtype_name, info, optional_info, run_plan
+from ._launch import as_array, dtype_name, info, optional_info, run_plan, undifferentiated
 from ._sharding import ROWS, WHOLE, like, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch
 from .fused_linear_cross_entropy import in_matmul_dtype, scaled, scan_from_first_chunk, sum_rows
@@ -159,12 +159,14 @@ def fused_linear_jsd(student_input, student_kernel, teacher_input, teacher_kerne
     kernels). ``dtype``: the matmuls' dtype, as Flax's ``dtype`` (default: the inputs' own): both inputs and
     kernels are cast to it, except an fp32 student kernel of a bf16/fp16 ``dtype``, a master kernel (see
     :func:`liger_jax.fused_linear_cross_entropy`). Loss in the student's dtype. Differentiable in
-    ``student_input`` and ``student_kernel``; the teacher is a constant (zero cotangents).
+    ``student_input`` and ``student_kernel``; the teacher is a constant (differentiating it is a ValueError:
+    wrap it in ``jax.lax.stop_gradient``).
     """
     xs = as_array("student_input", student_input)
     ws = as_array("student_kernel", student_kernel)
-    xt = as_array("teacher_input", teacher_input)
-    wt = as_array("teacher_kernel", teacher_kernel)
+    xt = undifferentiated("fused_linear_jsd", "the student", "teacher_input", as_array("teacher_input", teacher_input))
+    wt = undifferentiated("fused_linear_jsd", "the student", "teacher_kernel",
+                          as_array("teacher_kernel", teacher_kernel))
     labels = None if labels is None else as_array("labels", labels)
     layout = "vh" if transpose else "hv"
     if dtype is not None:

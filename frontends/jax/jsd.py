@@ -16,7 +16,7 @@ import jax
 
 from liger_core import jsd as core
 
-from ._launch import as_array, info, run_plan
+from ._launch import as_array, info, run_plan, undifferentiated
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch, scale_grad_op, sum_over_shards
 
@@ -75,11 +75,11 @@ def jsd(student_logprobs, teacher_logprobs, labels=None, *, beta: float = 0.5, i
     beta = 0 and the reverse KL ``KL(Q||P)`` for beta = 1 (TRL's GKD convention; see :mod:`liger_core.jsd`).
     The result is the mean over rows whose integer ``labels`` (...) are not ``ignore_index`` (all rows without
     labels); 0 with a zero gradient if every row is ignored. The loss has the promoted dtype of the two inputs.
-    Only ``student_logprobs`` is differentiated: ``teacher_logprobs`` gets a zero gradient (wrap it in
-    ``jax.lax.stop_gradient`` to make that explicit). Works under ``jit``, ``grad`` and ``vmap``.
+    Only ``student_logprobs`` is differentiated: differentiating ``teacher_logprobs`` is a ValueError (wrap it
+    in ``jax.lax.stop_gradient``). Works under ``jit``, ``grad`` and ``vmap``.
     """
     student = as_array("student_logprobs", student_logprobs)
-    teacher = as_array("teacher_logprobs", teacher_logprobs)
+    teacher = undifferentiated("jsd", "the student", "teacher_logprobs", as_array("teacher_logprobs", teacher_logprobs))
     labels = None if labels is None else as_array("labels", labels)
     core.check_options(beta=beta, ignore_index=ignore_index)
     core.check_inputs(info(student), info(teacher), None if labels is None else info(labels))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from liger_core import kl_div as core
 from liger_core.launch import ArrayInfo, check_bool
 
-from ._launch import as_array, info, run_plan
+from ._launch import as_array, info, run_plan, undifferentiated
 from ._sharding import ROWS, WHOLE, partitioned, rows_rule
 from .cross_entropy import _mapped_over_batch, scale_grad_op, sum_over_shards
 
@@ -99,13 +99,13 @@ def kl_div(log_predictions, targets, *, reduction: str = "mean", log_target: boo
     ``targets * (log(targets) - log_predictions)`` (``exp(targets) * (targets - log_predictions)`` with
     ``log_target``), reduced by ``none | sum | mean | batchmean``. ``optax.kl_divergence(log_predictions,
     targets)`` is ``reduction="none"`` summed over the last axis. Only ``log_predictions`` is differentiated:
-    ``targets`` gets a zero gradient (wrap it in ``jax.lax.stop_gradient`` to make that explicit).
+    differentiating ``targets`` is a ValueError (a constant, or wrapped in ``jax.lax.stop_gradient``, is fine).
 
     ``grad_in_forward`` (reductions to a scalar): differentiated, the forward writes the gradient in its sweep
     and the backward scales it by the cotangent (skipped where that is exactly 1): three arrays of the inputs'
     size move instead of four, but five for a weighted loss; pass False there."""
     x = as_array("log_predictions", log_predictions)
-    target = as_array("targets", targets)
+    target = undifferentiated("kl_div", "log_predictions", "targets", as_array("targets", targets))
     core.check_inputs(info(x), info(target), reduction, "log_predictions", "targets")
     return _kl_div(x, target, reduction, check_bool(log_target, "log_target"),
                    check_bool(grad_in_forward, "grad_in_forward"))

@@ -15,6 +15,7 @@ import math
 import jax
 
 from liger_core import layer_norm as core
+from liger_core.launch import as_real
 
 from ._launch import as_array, broadcast_unbatched, info, map_over_batch, num_sms, optional_info, run_plan
 from ._sharding import ROWS, WHOLE, group_axes, like, partitioned, rows_rule
@@ -133,6 +134,7 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6):
     scale = None if scale is None else as_array("scale", scale)
     bias = None if bias is None else as_array("bias", bias)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
+    epsilon = as_real(epsilon, "epsilon")  # before the (cached) plan hashes it
     core.forward_plan(info(x), optional_info(scale), optional_info(bias), eps=epsilon, weight_name="scale",
                       eps_name="epsilon")
-    return _layer_norm(x, scale, bias, float(epsilon))
+    return _layer_norm(x, scale, bias, epsilon)

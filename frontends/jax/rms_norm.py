@@ -14,6 +14,7 @@ import math
 import jax
 
 from liger_core import rms_norm as core
+from liger_core.launch import as_real
 
 from ._launch import as_array, broadcast_unbatched, info, map_over_batch, num_sms, run_plan
 from ._sharding import ROWS, WHOLE, group_axes, like, partitioned, rows_rule
@@ -110,6 +111,7 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, offset: float = 0.0, casti
     x = as_array("x", x)
     scale = None if scale is None else as_array("scale", scale)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
+    epsilon, offset = as_real(epsilon, "epsilon"), as_real(offset, "offset")  # before the (cached) plan hashes them
     core.forward_plan(info(x), None if scale is None else info(scale), eps=epsilon, offset=offset,
                       casting_mode=casting_mode, weight_name="scale", eps_name="epsilon")
-    return _rms_norm(x, scale, float(epsilon), float(offset), casting_mode)
+    return _rms_norm(x, scale, epsilon, offset, casting_mode)

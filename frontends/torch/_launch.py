@@ -131,6 +131,42 @@ def check_tensors(**tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
+class _SecondDerivative(torch.autograd.Function):
+    """Identity on a backward's gradients, as a graph node that raises when differentiated."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError("liger_torch kernels are differentiable once: their gradients carry no graph, so a "
+                           "derivative of a gradient (a gradient penalty, a Hessian) is not supported")
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)  # makes _SecondDerivative's outputs part of the graph
+
+
+def once_differentiable(backward):
+    """A Function's ``backward`` run without graph; under ``create_graph`` its gradients come out as part of the
+    graph through a node that raises on use. torch's own ``once_differentiable`` does that only when an incoming
+    gradient requires grad: the gradient of ``f(x).sum()`` then comes out as a constant, and a penalty built on
+    it would silently add nothing to x's gradient."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # no create_graph: the usual first derivative
+            return outputs
+        single = not isinstance(outputs, tuple)
+        outputs = (outputs,) if single else outputs
+        guarded = iter(_SecondDerivative.apply(_ANCHOR, *[o for o in outputs if isinstance(o, torch.Tensor)]))
+        outputs = tuple(next(guarded) if isinstance(o, torch.Tensor) else o for o in outputs)
+        return outputs[0] if single else outputs
+
+    return wrapper
+
+
 def refuse_grad(op: str, what: str, **tensors: torch.Tensor | None) -> None:
     """ValueError naming the first of ``tensors`` that requires grad (under grad mode): ``op`` differentiates
     ``what`` only, and a gradient silently left at None would look like a frozen parameter."""

@@ -16,7 +16,9 @@ from liger_core import cross_entropy as core
 from liger_core.launch import check_bool
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import capturing_cuda_graph, check_tensors, info, optional_info, refuse_grad, rowwise, run_plan
+from ._launch import (
+    capturing_cuda_graph, check_tensors, info, once_differentiable, optional_info, refuse_grad, rowwise, run_plan,
+)
 
 
 def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int, denom: torch.Tensor,
@@ -110,6 +112,7 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_loss, *unused):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.cross_entropy: backward through the same loss twice is not supported "

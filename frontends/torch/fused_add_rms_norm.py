@@ -8,7 +8,9 @@ from liger_core import fused_add_rms_norm as core
 from liger_core.launch import check_bool, check_eps, check_finite, promote
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan, sole_reference
+from ._launch import (
+    check_tensors, dtype_name, info, num_sms, once_differentiable, optional_info, rowwise, run_plan, sole_reference,
+)
 from .rms_norm import RMSNorm
 
 
@@ -53,6 +55,7 @@ class LigerFusedAddRMSNormFunction(torch.autograd.Function):
         return y, h
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_y, grad_h):
         h, weight, rstd = ctx.saved_tensors
         if grad_y is None and grad_h is None:
@@ -127,10 +130,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     dtypes agree (one write fewer).
     """
     check_tensors(x=x, residual=residual, weight=weight)
-    eps, offset = check_eps(eps), check_finite(offset, "offset")
-    if compiling():
-        y, h, _ = forward_op(x, residual, weight, eps, offset, casting_mode)
+    if compiling():  # the op's plan checks eps when it runs (dynamo would trace the check's math.isfinite)
+        y, h, _ = forward_op(x, residual, weight, float(eps), float(offset), casting_mode)
         return y, h
+    eps, offset = check_eps(eps), check_finite(offset, "offset")
     return LigerFusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, casting_mode,
                                               check_bool(in_place, "in_place"))
 

@@ -19,7 +19,9 @@ from liger_core import fused_linear_cross_entropy as core
 from liger_core.launch import check_bool
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, refuse_grad, run_plan
+from ._launch import (
+    autocast_dtype, check_tensors, dtype_name, info, once_differentiable, optional_info, refuse_grad, run_plan,
+)
 from .cross_entropy import scale_grad, start_target_check
 
 # x is typically a model's last hidden states and weight its lm_head's: a model cast in part (or on one rank
@@ -238,6 +240,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_loss, *unused):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.fused_linear_cross_entropy: backward through the same loss twice is "
@@ -364,8 +367,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     dtype first, as ``F.linear`` would, except an fp32 weight (mixed precision's master weight): the loop casts
     it once and accumulates its gradient in fp32 straight into the fp32 gradient (no accumulator beside it, no
     bf16 gradient cast back; the chunks then hold the default workspace whatever N). The loss (and z-loss) is
-    fp32 whatever x's dtype, as HF's loss functions and Liger-Kernel return it (a bf16 loss near 12 would be rounded to multiples of 1/16); the logits chunks
-    are in x's dtype (like an lm_head output) and upcast to fp32 inside the kernel.
+    fp32 whatever x's dtype, as HF's loss functions and Liger-Kernel return it (a bf16 loss near 12 would be
+    rounded to multiples of 1/16); the logits chunks are in x's dtype (like an lm_head output) and upcast to fp32
+    inside the kernel.
     """
     check_tensors(x=x, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
     refuse_grad("fused_linear_cross_entropy", "x, weight and bias (the class weights get no gradient)",

@@ -15,7 +15,9 @@ from liger_core import fused_linear_cross_entropy as flce_core
 from liger_core import fused_linear_jsd as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import autocast_dtype, check_tensors, dtype_name, info, optional_info, refuse_grad, run_plan
+from ._launch import (
+    autocast_dtype, check_tensors, dtype_name, info, once_differentiable, optional_info, refuse_grad, run_plan,
+)
 from .fused_linear_cross_entropy import accumulate_linear_grads, matmul_weight, scaled_grads, weight_grad_buffers
 
 
@@ -77,6 +79,7 @@ class LigerFusedLinearJSDFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_loss):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.fused_linear_jsd: backward through the same loss twice is not "

@@ -8,7 +8,7 @@ from torch import nn
 from liger_core import jsd as core
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, info, optional_info, refuse_grad, rowwise, run_plan
+from ._launch import check_tensors, info, once_differentiable, optional_info, refuse_grad, rowwise, run_plan
 
 
 def _labels(labels):
@@ -42,6 +42,7 @@ class LigerJSDFunction(torch.autograd.Function):
         return outs[0]
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_output):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.jsd: backward through the same loss twice is not supported (the "

@@ -15,7 +15,7 @@ from liger_core import kl_div as core
 from liger_core.launch import ArrayInfo, check_bool
 
 from ._custom_ops import compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, refuse_grad, rowwise, run_plan
+from ._launch import check_tensors, dtype_name, info, once_differentiable, refuse_grad, rowwise, run_plan
 
 
 def _forward(x, target, reduction, log_target, compute_grad=False):
@@ -47,6 +47,7 @@ class LigerKLDivFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_output):
         (saved,) = ctx.saved_tensors
         if not ctx.compute_grad:

@@ -11,7 +11,7 @@ from liger_core import layer_norm as core
 from liger_core.launch import check_bool, check_eps, check_positive_int
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, info, num_sms, optional_info, rowwise, run_plan
+from ._launch import check_tensors, info, num_sms, once_differentiable, optional_info, rowwise, run_plan
 
 
 def _forward(x, weight, bias, eps):
@@ -44,6 +44,7 @@ class LigerLayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_output):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = _backward(grad_output, x, weight, ctx.bias_info, mean, rstd)
@@ -100,9 +101,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
     Computed in fp32, rounded once to x's dtype, as ``torch.nn.functional.layer_norm`` does."""
     check_tensors(x=x, weight=weight, bias=bias)
+    if compiling():  # the op's plan checks eps when it runs (dynamo would trace the check's math.isfinite)
+        return forward_op(x, weight, bias, float(eps))[0]
     eps = check_eps(eps)
-    if compiling():
-        return forward_op(x, weight, bias, eps)[0]
     return LigerLayerNormFunction.apply(x, weight, bias, eps)
 
 

@@ -13,7 +13,9 @@ from liger_core import rms_norm as core
 from liger_core.launch import check_bool, check_eps, check_finite, check_positive_int
 
 from ._custom_ops import absent, compiling, define, empty_like
-from ._launch import check_tensors, dtype_name, info, num_sms, optional_info, rowwise, run_plan, sole_reference
+from ._launch import (
+    check_tensors, dtype_name, info, num_sms, once_differentiable, optional_info, rowwise, run_plan, sole_reference,
+)
 
 
 def _forward(x, weight, eps, offset, casting_mode):
@@ -45,6 +47,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, grad_output):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = _backward(grad_output, x, weight, rstd, ctx.offset, ctx.casting_mode, ctx.in_place)
@@ -108,9 +111,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
     written in place (``in_place`` has no effect there; see ``liger_torch._custom_ops``).
     """
     check_tensors(x=x, weight=weight)
+    if compiling():  # the op's plan checks eps when it runs (dynamo would trace the check's math.isfinite)
+        return forward_op(x, weight, float(eps), float(offset), casting_mode)[0]
     eps, offset = check_eps(eps), check_finite(offset, "offset")
-    if compiling():
-        return forward_op(x, weight, eps, offset, casting_mode)[0]
     return LigerRMSNormFunction.apply(x, weight, eps, offset, casting_mode,
                                       check_bool(in_place, "in_place"))
 

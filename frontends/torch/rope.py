@@ -8,7 +8,7 @@ from liger_core import rope as core
 from liger_core.launch import check_bool
 
 from ._custom_ops import compiling, define, empty_like
-from ._launch import capturing_cuda_graph, check_tensors, dtype_name, info, optional_info, run_plan
+from ._launch import capturing_cuda_graph, check_tensors, dtype_name, info, once_differentiable, optional_info, run_plan
 
 _HEAD_AXES = {1: 1, -3: 1, 2: 2, -2: 2}
 
@@ -47,6 +47,7 @@ class LigerRopeFunction(torch.autograd.Function):
         return q_out, k_out
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
         # (autograd materialises the gradient of an unused output as zeros, so neither is None)

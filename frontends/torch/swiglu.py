@@ -10,7 +10,7 @@ from liger_core import swiglu as core
 from liger_core.launch import check_bool
 
 from ._custom_ops import compiling, define, empty_like
-from ._launch import check_tensors, info, optional_info, rowwise, run_plan
+from ._launch import check_tensors, info, once_differentiable, optional_info, rowwise, run_plan
 
 
 def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -65,6 +65,7 @@ class LigerGatedActivationFunction(torch.autograd.Function):
         return c
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
         da, db = _saved_backward(dc, a, b, ctx.activation, ctx.in_place)
@@ -144,6 +145,7 @@ class LigerGatedLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
     def backward(ctx, dout):
         a, b, weight = ctx.saved_tensors
         need_ab = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]

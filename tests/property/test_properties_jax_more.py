@@ -127,7 +127,8 @@ def test_jax_kl_div(lead, v, dtype, reduction, log_target, zeros, seed):
     opts = dict(reduction=reduction, log_target=log_target)
     g = cotangent(rng, x.shape if reduction == "none" else (), dtype)
 
-    loss, vjp = jax.vjp(lambda a, b: liger_jax.kl_div(a, b, **opts), x, t)
+    # the targets stop_gradient'ed (differentiating them is an error, tests/test_errors.py): a zero gradient
+    loss, vjp = jax.vjp(lambda a, b: liger_jax.kl_div(a, jax.lax.stop_gradient(b), **opts), x, t)
     dx, dt = vjp(g)
     loss_ref = kl_reference(x, t, **opts)
     with x64():
@@ -159,7 +160,9 @@ def test_jax_jsd(lead, v, dtype, beta, labels, seed):
         lab = labels_with_ignored(rng, lead, v, ignore_index, ignored)
     g = cotangent(rng, (), dtype)
 
-    loss, vjp = jax.vjp(lambda a, b: liger_jax.jsd(a, b, lab, beta=beta, ignore_index=ignore_index), s, t)
+    # the teacher stop_gradient'ed (differentiating it is an error, tests/test_errors.py): a zero gradient
+    loss, vjp = jax.vjp(lambda a, b: liger_jax.jsd(a, jax.lax.stop_gradient(b), lab, beta=beta,
+                                                   ignore_index=ignore_index), s, t)
     ds, dt = vjp(g)
     loss_ref = jsd_reference(s, t, beta, lab, ignore_index)
     with x64():
@@ -273,7 +276,8 @@ def test_jax_fused_linear_jsd(case, dtype, seed):
     opts = dict(beta=case["beta"], temperature=case["temperature"], ignore_index=ii)
     g = cotangent(rng, (), dtype)
 
-    def ours(a, k, b, c):
+    def ours(a, k, b, c):  # the teacher stop_gradient'ed (differentiating it is an error): zero gradients
+        b, c = jax.lax.stop_gradient(b), jax.lax.stop_gradient(c)
         return liger_jax.fused_linear_jsd(a, k, b, c, labels, transpose=transpose, chunk_size=case["chunk_size"],
                                           **opts)
 
