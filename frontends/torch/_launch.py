@@ -154,10 +154,10 @@ def once_differentiable(backward):
     it would silently add nothing to x's gradient."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():  # no create_graph (the engine turned grad mode off): a first derivative
+            return backward(ctx, *grads)
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():  # no create_graph: the usual first derivative
-            return outputs
         single = not isinstance(outputs, tuple)
         outputs = (outputs,) if single else outputs
         guarded = iter(_SecondDerivative.apply(_ANCHOR, *[o for o in outputs if isinstance(o, torch.Tensor)]))
