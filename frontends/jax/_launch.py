@@ -65,9 +65,11 @@ def undifferentiated(op: str, what: str, name: str, x):
     """``x``, with a ValueError naming it when it is differentiated: ``op`` differentiates ``what`` only, and a
     zero cotangent returned for ``x`` would be a silently wrong gradient (as liger_torch raises for a tensor that
     requires grad). A constant (or stop_gradient'ed) ``x`` has no tangent, so the rule never runs for it."""
-    if x is None:
-        return None
+    return None if x is None else _refusing_identity(op, what, name)(x)
 
+
+@functools.lru_cache(maxsize=None)  # one function per message: jax caches its traces by function
+def _refusing_identity(op: str, what: str, name: str):
     @jax.custom_jvp
     def identity(value):
         return value
@@ -77,7 +79,7 @@ def undifferentiated(op: str, what: str, name: str, x):
         raise ValueError(f"{name} is differentiated, but liger_jax.{op} differentiates {what} only; wrap {name} in "
                          "jax.lax.stop_gradient")
 
-    return identity(x)
+    return identity
 
 
 @functools.lru_cache(maxsize=None)

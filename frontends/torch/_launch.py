@@ -160,6 +160,8 @@ def once_differentiable(backward):
             outputs = backward(ctx, *grads)
         single = not isinstance(outputs, tuple)
         outputs = (outputs,) if single else outputs
+        if not any(isinstance(o, torch.Tensor) for o in outputs):
+            return outputs[0] if single else outputs
         guarded = iter(_SecondDerivative.apply(_ANCHOR, *[o for o in outputs if isinstance(o, torch.Tensor)]))
         outputs = tuple(next(guarded) if isinstance(o, torch.Tensor) else o for o in outputs)
         return outputs[0] if single else outputs
