@@ -260,7 +260,8 @@ def test_kl_div_of_a_flattened_array_past_grid_axis_1(grad_in_forward):
     expected = sum(float(torch.nn.functional.kl_div(x[i:i + step].double(), t[i:i + step].double(),
                                                     reduction="sum", log_target=True))
                    for i in range(0, KL_N, step))
-    assert_close(loss, torch.tensor(expected, dtype=torch.float64), BF16, "sum", scale=KL_N ** 0.5)
+    # the kernel sums in fp32 and rounds once: the bf16 result is good to its own rounding
+    assert_close(loss, torch.tensor(expected, dtype=torch.float64), BF16, "sum")
     dx = leaf.grad
     assert bool(torch.isfinite(dx).all()), "gradient blocks left unwritten (NaN poison)"
     for at in (0, 65535 * 4096 - 5, 65535 * 16384 - 5, KL_N - 8):
