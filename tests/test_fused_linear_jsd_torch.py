@@ -21,21 +21,6 @@ def reference(xs, ws, xt, wt, labels=None, beta=0.5, ignore_index=-100, temperat
     return jsd_reference(s, t, beta, labels, ignore_index)
 
 
-def summed_magnitudes(xs, ws, xt, wt, labels, beta, temperature, g):
-    """The sizes of what the two input gradients sum, float64: the gradient with respect to the student's logits
-    is (dx - q * sum(dx)) / T, dx the pointwise gradient with respect to its log-probabilities, and fp32 rounds
-    each part, so a logit's gradient is good to eps * (|dx| + q |sum(dx)|) / T however much the parts cancel
-    (the reverse KL's q * (log q - log p - KL) where the teacher puts a token 19 nats below the student's
-    favourite: 19.22 - 18.97); the input gradients sum those against |W| and |X| (assert_close's
-    ``magnitude``)."""
-    zs = xs.double() @ ws.double().t()
-    zt = xt.double() @ wt.double().t()
-    s = torch.log_softmax(zs / temperature, -1).requires_grad_(True)
-    jsd_reference(s, torch.log_softmax(zt / temperature, -1), beta, labels).backward(g.double())
-    parts = (s.grad.abs() + s.detach().exp() * s.grad.sum(-1, keepdim=True).abs()) / temperature
-    return parts @ ws.double().abs(), parts.t() @ xs.double().abs()
-
-
 def draw(seed, dtype, n=N, ignore_fraction=0.3, device="cpu"):
     """Drawn on the CPU from a seeded generator (the same numbers on every device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
@@ -70,13 +55,11 @@ def test_forward_backward(beta, with_labels, temperature, dtype, device, seed):
     assert loss.dtype == dtype and loss.shape == ()
     assert_close(loss, loss_ref, dtype, "loss", scale=4.0)
     count = N if labels is None else int((labels != -100).sum())  # the mean's gradients are ~1/count
-    magnitudes = summed_magnitudes(xs, ws, xt, wt, labels, beta, temperature, g)
-    for name, got, want, size in zip(("dstudent_input", "dstudent_weight"), grads, grads_ref, magnitudes):
+    for name, got, want in zip(("dstudent_input", "dstudent_weight"), grads, grads_ref):
         assert got.dtype == dtype, name
         # dweight sums N rounded terms per element; bf16 dx is a bf16 matmul of bf16 dlogits.
         widen = 1.0 if name == "dstudent_input" else N ** 0.5
-        assert_close(got * count, want * count, dtype, name, scale=widen if dtype == torch.float32 else 2 * widen,
-                     magnitude=size * count)
+        assert_close(got * count, want * count, dtype, name, scale=widen if dtype == torch.float32 else 2 * widen)
 
 
 def test_autocast_fp32_master_weight(device, seed):
