@@ -2,7 +2,7 @@
 # The open tuning sweeps in one device call, most telling first (docs/perf-notes.md, "Open predictions"). Each
 # step has its own time limit and tees its lines into $OUT as they come, so a call cut short by the device's
 # limit still brings back what it measured. Defaults change only after these tables are read.
-#   scripts/gpu_sweeps.sh            (about 6 minutes with installation)
+#   scripts/gpu_sweeps.sh            (about 8 minutes with installation)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/liger-out}
 bash scripts/gpu_check.sh script -c "print('installed')" || exit 1
@@ -20,3 +20,8 @@ step 120 tune_rms_fwd python3 scripts/tune_norm_forward.py --shapes 4096x32768 4
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   step 100 tune_ce_l2 python3 scripts/tune_ce_l2.py --out "$OUT/tune_ce_l2.txt"
 fi
+# s22's changes, compiled for the first time (CPU-only session): KL's one-axis grid past 65535 column blocks,
+# the fused linear JSD's normalised gradient sweep, the second-derivative and constant-argument errors.
+step 150 s22_tests python3 -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_huge_inputs.py::test_kl_div_of_a_flattened_array_past_grid_axis_1 \
+  tests/test_fused_linear_jsd_torch.py tests/test_fused_linear_jsd_jax.py tests/test_errors.py
