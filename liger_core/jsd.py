@@ -30,7 +30,8 @@ gradient (for an incoming gradient of 1; the backward scales it, :func:`backward
 JSD (:mod:`liger_core.fused_linear_jsd`) the kernel reads the two heads' logits ``z`` instead (any float dtype):
 a first sweep takes both rows' logsumexp of ``z / T``, so that ``x = log_softmax(z / T)`` is formed in
 registers, and a last sweep writes the gradient with respect to the student's logits,
-``(g - softmax * sum(g)) / T`` (the softmax normalised by its own sum), over them in place. No fp32 log-probability buffer exists.
+``(g - softmax * sum(g)) / T`` (the softmax normalised by its own sum), over them in place. No fp32
+log-probability buffer exists.
 """
 
 from __future__ import annotations
