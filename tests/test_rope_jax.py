@@ -204,8 +204,10 @@ def test_gradient_wrt_cos_is_refused(seed):
     rng = np.random.default_rng(seed)
     q, k = draw(rng, 1, 3, 4, 2, 64, jnp.float32)
     cos, sin = tables(rng, 1, 3, 64, jnp.float32)
-    with pytest.raises(ValueError, match="cos/sin"):
+    with pytest.raises(ValueError, match="^cos is differentiated, but liger_jax.rope differentiates q and k only"):
         jax.grad(lambda c: jnp.sum(liger_jax.rope(q, k, c, sin)[0]))(cos)
+    with pytest.raises(ValueError, match="^sin is differentiated"):
+        jax.grad(lambda s: jnp.sum(liger_jax.rope(q, k, cos, s)[1]))(sin)
     jax.grad(lambda c: jnp.sum(liger_jax.rope(q, k, jax.lax.stop_gradient(c), sin)[0]))(cos)
 
 

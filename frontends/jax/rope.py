@@ -15,12 +15,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from liger_core import rope as core
 from liger_core.launch import check_bool
 
-from ._launch import as_array, broadcast_unbatched, dtype_name, info, optional_info, run_plan
+from ._launch import as_array, broadcast_unbatched, dtype_name, info, optional_info, run_plan, undifferentiated
 from ._sharding import Rule, partitioned
 
 _HEAD_AXIS = 2  # (B, T, H, D)
@@ -85,10 +84,6 @@ def _rope_op(interleaved: bool, backward: bool, has_pos: bool, q_dtype: str, k_d
     return op
 
 
-def _materialize(ct):
-    return jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _rope(q, k, cos, sin, position_ids, interleaved, dtypes):
     pos = () if position_ids is None else (position_ids,)
@@ -96,11 +91,6 @@ def _rope(q, k, cos, sin, position_ids, interleaved, dtypes):
 
 
 def _rope_fwd(q, k, cos, sin, position_ids, interleaved, dtypes):
-    if cos.perturbed or sin.perturbed:
-        raise ValueError("liger_jax.rope does not differentiate with respect to cos/sin; wrap them in "
-                         "jax.lax.stop_gradient")
-    q, k, cos, sin = q.value, k.value, cos.value, sin.value
-    position_ids = None if position_ids is None else position_ids.value
     pos = () if position_ids is None else (position_ids,)
     out = _rope_op(interleaved, False, position_ids is not None, *dtypes)(q, k, cos, sin, *pos)
     return out, (cos, sin, position_ids)
@@ -108,13 +98,13 @@ def _rope_fwd(q, k, cos, sin, position_ids, interleaved, dtypes):
 
 def _rope_bwd(interleaved, dtypes, residuals, cts):
     cos, sin, position_ids = residuals
-    dq, dk = map(_materialize, cts)
+    dq, dk = cts
     pos = () if position_ids is None else (position_ids,)
     dq, dk = _rope_op(interleaved, True, position_ids is not None, *dtypes)(dq, dk, cos, sin, *pos)
     return dq, dk, None, None, None
 
 
-_rope.defvjp(_rope_fwd, _rope_bwd, symbolic_zeros=True)
+_rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def _check_positions(position_ids, n_rows: int) -> None:
@@ -136,6 +126,8 @@ def rope(q, k, cos, sin, *, position_ids=None, interleaved: bool = False):
     flows to cos/sin (an error says so if one is asked for). Position ids outside cos/sin's rows raise
     ValueError when concrete. Works under ``jit``, ``grad``, ``vmap`` and ``checkpoint``."""
     q, k, cos, sin = (as_array(n, x) for n, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)))
+    # HF's rotary embedding computes cos/sin without gradient: asking for one is an error, not a zero
+    cos, sin = (undifferentiated("rope", "q and k", n, t) for n, t in (("cos", cos), ("sin", sin)))
     position_ids = None if position_ids is None else as_array("position_ids", position_ids)
     # Validate here, outside any trace, so bad input fails with the argument's name before any launch.
     core.forward_plan(info(q), info(k), info(cos), info(sin), optional_info(position_ids), head_axis=_HEAD_AXIS,

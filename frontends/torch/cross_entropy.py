@@ -112,7 +112,7 @@ class LigerCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_loss, *unused):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.cross_entropy: backward through the same loss twice is not supported "
@@ -197,7 +197,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     such a target's loss is then NaN).
     """
     check_tensors(logits=logits, target=target, weight=weight)
-    refuse_grad("cross_entropy", "the logits (as torch's, the class weights get no gradient)", weight=weight)
+    refuse_grad("cross_entropy", "the logits", weight=weight)  # as torch's: class weights get no gradient
     core.check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                        lse_square_scale=lse_square_scale, softcap=softcap)
     _check_2d(logits, target)

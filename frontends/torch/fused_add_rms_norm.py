@@ -55,7 +55,7 @@ class LigerFusedAddRMSNormFunction(torch.autograd.Function):
         return y, h
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_y, grad_h):
         h, weight, rstd = ctx.saved_tensors
         if grad_y is None and grad_h is None:

@@ -240,7 +240,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_loss, *unused):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.fused_linear_cross_entropy: backward through the same loss twice is "
@@ -372,8 +372,7 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     inside the kernel.
     """
     check_tensors(x=x, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
-    refuse_grad("fused_linear_cross_entropy", "x, weight and bias (the class weights get no gradient)",
-                ce_weight=ce_weight)
+    refuse_grad("fused_linear_cross_entropy", "x, weight and bias", ce_weight=ce_weight)
     args = (ce_weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
             chunk_size, accum_dtype_fp32)
     dtype = autocast_dtype(x)

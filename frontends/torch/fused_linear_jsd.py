@@ -79,7 +79,7 @@ class LigerFusedLinearJSDFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_loss):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.fused_linear_jsd: backward through the same loss twice is not "
@@ -175,8 +175,7 @@ def _fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weig
                               optional_info(labels), master_weight_ok=master_weight_ok)
     core.chunk_rows(1, vocab, dtype_name(student_input.dtype), chunk_size)  # validates chunk_size
     grad_on = torch.is_grad_enabled()
-    refuse_grad("fused_linear_jsd", "the student (freeze the teacher)", teacher_input=teacher_input,
-                teacher_weight=teacher_weight)
+    refuse_grad("fused_linear_jsd", "the student", teacher_input=teacher_input, teacher_weight=teacher_weight)
     need = tuple(bool(grad_on and t.requires_grad) for t in (student_input, student_weight))
     accum_fp32 = core.accumulate_in_fp32(dtype_name(student_weight.dtype), accum_dtype_fp32)
     opts = dict(beta=float(beta), ignore_index=int(ignore_index), temperature=float(temperature))

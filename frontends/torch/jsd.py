@@ -42,7 +42,7 @@ class LigerJSDFunction(torch.autograd.Function):
         return outs[0]
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_output):
         if ctx.backward_done:
             raise RuntimeError("liger_torch.jsd: backward through the same loss twice is not supported (the "

@@ -47,7 +47,7 @@ class LigerKLDivFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_output):
         (saved,) = ctx.saved_tensors
         if not ctx.compute_grad:

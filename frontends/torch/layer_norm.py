@@ -44,7 +44,7 @@ class LigerLayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_output):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = _backward(grad_output, x, weight, ctx.bias_info, mean, rstd)

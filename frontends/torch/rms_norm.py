@@ -47,7 +47,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, grad_output):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = _backward(grad_output, x, weight, rstd, ctx.offset, ctx.casting_mode, ctx.in_place)

@@ -8,7 +8,9 @@ from liger_core import rope as core
 from liger_core.launch import check_bool
 
 from ._custom_ops import compiling, define, empty_like
-from ._launch import capturing_cuda_graph, check_tensors, dtype_name, info, once_differentiable, optional_info, run_plan
+from ._launch import (
+    capturing_cuda_graph, check_tensors, dtype_name, info, once_differentiable, optional_info, refuse_grad, run_plan,
+)
 
 _HEAD_AXES = {1: 1, -3: 1, 2: 2, -2: 2}
 
@@ -47,7 +49,7 @@ class LigerRopeFunction(torch.autograd.Function):
         return q_out, k_out
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
         # (autograd materialises the gradient of an unused output as zeros, so neither is None)
@@ -120,9 +122,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if unsqueeze_dim not in _HEAD_AXES:
         raise ValueError(f"unsqueeze_dim must be 1 (q/k as (B, H, T, D)) or 2 ((B, T, H, D)), got {unsqueeze_dim!r}")
     interleaved = check_bool(interleaved, "interleaved")
-    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        raise ValueError("rope does not differentiate with respect to cos/sin; pass cos.detach() / sin.detach() "
-                         "(HF's rotary embedding computes them without gradient)")
+    refuse_grad("rope", "q and k", cos=cos, sin=sin)  # HF's rotary embedding computes cos/sin without gradient
     if compiling():
         return forward_op(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], interleaved)
     return LigerRopeFunction.apply(q, k, cos, sin, position_ids, _HEAD_AXES[unsqueeze_dim], interleaved,

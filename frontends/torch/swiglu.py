@@ -65,7 +65,7 @@ class LigerGatedActivationFunction(torch.autograd.Function):
         return c
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
         da, db = _saved_backward(dc, a, b, ctx.activation, ctx.in_place)
@@ -145,7 +145,7 @@ class LigerGatedLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # no graph through the kernels: a second derivative raises instead of being 0
+    @once_differentiable
     def backward(ctx, dout):
         a, b, weight = ctx.saved_tensors
         need_ab = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import copyreg
 import sys
 import types
@@ -93,8 +94,6 @@ def _reduce_as_reachable(self, protocol):
 def _deepcopy_keeping_class(self, memo):
     """``copy.deepcopy`` of a patched instance stays patched (it would otherwise go through
     ``_reduce_as_reachable``): the default copy, with the instance's own class."""
-    import copy
-
     clone = type(self).__new__(type(self))
     memo[id(self)] = clone
     clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
