@@ -11,7 +11,7 @@ from .harness import (Case, device, eager_or_compiled, jax_key, jax_pass_runner,
 # columns) at 4k
 SHAPES = unique_shapes(sweep({"hidden": 4096}, "tokens", [2048, 4096, 8192, 16384, 32768, 65536]),
                        sweep({"tokens": 16384}, "hidden", [1024, 2048, 4096, 8192, 16384]),
-                       sweep({"tokens": 4096}, "hidden", [32768, 65536]))  # rows swept in chunks
+                       sweep({"tokens": 4096}, "hidden", [20496, 32768, 65536]))  # held to 32768, then chunks
 QUICK = sweep({"hidden": 4096}, "tokens", [4096, 16384, 65536])
 SMOKE = sweep({"hidden": 64}, "tokens", [8])
 EPS = 1e-6

@@ -3,7 +3,8 @@
 h has the promotion of x's and residual's dtypes (the sum is rounded to it once, as a half-precision add
 would be); y follows :mod:`liger_core.rms_norm` with h in the role of x (same casting modes, same offset,
 same output dtype). Forward saves rstd (fp32, one per row); the backward reads only h, never x or residual.
-Rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in column chunks, twice: h and its squares, then y from h.
+Rows over 32768 columns (``_CHUNKED.held_up_to``) are swept in column chunks, twice: h and its squares, then y
+from h.
 
 Backward, one pass per row block: dh_total = d rms_norm / dh + dh_in (dh_in: the incoming gradient of the
 returned h), and dx = dresidual = dh_total (rounded to x's and residual's dtypes); dw from per-program fp32
@@ -37,10 +38,12 @@ from .tl_math import aligned, cast, chunk_columns, round_to
 # 8k-element tiles with the next tile prefetched (not yet swept on the H200 for this kernel itself; the plans
 # take overrides for tuning).
 _FORWARD_TILE = 4096
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 16384-column chunks at 32 warps, no prefetch (45
+# The chunked forward (rows over held_up_to columns): 16384-column chunks at 32 warps, no prefetch (45
 # registers). H200 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt): 4096 x 65536 0.546 ms against 0.595
-# for 8192-column chunks at 16 warps; 4096 x 32768 0.265 against 0.272.
-_CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=False)
+# for 8192-column chunks at 16 warps. Rows up to 32768 columns are held (16 warps, 128 registers, no spills):
+# 4096 x 32768 H200 0.260 ms against 0.272 chunked, H100 0.356 both; 4096 x 20496 H100 0.224 against 0.242
+# (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_rms_fwd.txt).
+_CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=False, held_up_to=32768)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 
@@ -90,7 +93,7 @@ def _fused_add_rms_norm_chunked_forward_kernel(
     HAS_OFFSET: tl.constexpr, PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """ROWS rows a program (w read once for all), for rows too wide to hold in registers
-    (rowwise.MAX_HELD_COLUMNS): a first sweep over CHUNK-column chunks writes h and sums its squares (PREFETCH:
+    (``_CHUNKED.held_up_to``): a first sweep over CHUNK-column chunks writes h and sums its squares (PREFETCH:
     with the next chunk's loads in flight, as RMSNorm's), a second reads h back (from L2) and writes y."""
     x_row_stride = aligned(x_row_stride, ALIGN)
     r_row_stride = aligned(r_row_stride, ALIGN)
@@ -145,7 +148,7 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
 
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
-    messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``prefetch``,
+    messages. Rows wider than 32768 columns are swept in chunks (``chunk``, ``prefetch``,
     ``full_chunks``, ``block_m`` and ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`,
     :func:`~.rowwise.full_chunks`)."""
     _check_pair(x, residual, weight, casting_mode, weight_name)

@@ -67,6 +67,18 @@ _ROW_SUMS = ChunkedSweep(chunk=4096, num_warps=8, prefetch=True)
 
 
 @triton.jit
+def load_parameters(W, w_stride, B, b_stride, cols, col_mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(w, b) of the columns ``cols`` in fp32 (0.0 for a missing one, unused)."""
+    w = 0.0
+    b = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)
+    return w, b
+
+
+@triton.jit
 def _layer_norm_forward_kernel(
     X, x_row_stride, x_col_stride,
     W, w_stride,
@@ -86,11 +98,11 @@ def _layer_norm_forward_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-    # weight and bias loaded with the row, before its reductions (as liger_core.rms_norm.load_scale)
-    if HAS_WEIGHT:
-        w = tl.load(W + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        b = tl.load(B + cols * b_stride, mask=col_mask, other=0.0).to(tl.float32)
+    # weight and bias loaded with the row, before its reductions (as liger_core.rms_norm.load_scale), up to 16384
+    # columns; past that after them: held across the reductions, their 64 values a thread spilled (ptxas, 32768
+    # columns at 16 warps: 92 bytes a thread)
+    if BLOCK_N <= 16384:
+        w, b = load_parameters(W, w_stride, B, b_stride, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
     xf = x.to(tl.float32)  # all arithmetic in fp32 (the interpreter cannot do bf16 arithmetic)
     mean = tl.sum(xf, axis=1) / n_cols
     centered = xf - mean[:, None]
@@ -106,6 +118,8 @@ def _layer_norm_forward_kernel(
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     y = centered * rstd[:, None] - (correction * rstd)[:, None]
+    if BLOCK_N > 16384:
+        w, b = load_parameters(W, w_stride, B, b_stride, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
     if HAS_WEIGHT:
         y = y * w[None, :]
     if HAS_BIAS:

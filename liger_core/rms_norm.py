@@ -7,8 +7,8 @@ Casting modes (what is computed in which precision):
   x's dtype.
 - ``none``: mean of squares in fp32, the rest in x's dtype.
 
-Forward saves rstd (fp32, one per row); rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in two passes of
-column chunks instead of held in registers (``rowwise.ChunkedSweep`` rows a program). Backward: one pass per row
+Forward saves rstd (fp32, one per row); rows over 32768 columns (``_CHUNKED.held_up_to``) are swept in two passes
+of column chunks instead of held in registers (``rowwise.ChunkedSweep`` rows a program). Backward: one pass per row
 block gives dx (optionally written over dy) and per-program fp32 partial sums of dw, reduced in a fixed order by
 :mod:`liger_core.reduce`; rows over ``MAX_HELD_COLUMNS`` are summed in a first sweep, then walked in column
 blocks (:func:`liger_core.rowwise.backward_tiles`).
@@ -39,10 +39,12 @@ CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 # tiles of 8k elements with the next tile prefetched; a single row of 16k+ elements is its own tile, without
 # prefetch (two such tiles in registers halve occupancy: 0.21 ms against 0.14 ms at 4096 x 16384).
 _FORWARD_TILE = 4096
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS): 16384-column chunks at 32 warps, the next chunk's load
+# The chunked forward (rows over held_up_to columns): 16384-column chunks at 32 warps, the next chunk's load
 # issued first (52 registers, one program an SM). H200 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt):
-# 4096 x 65536 0.314 ms against 0.337 for 8192-column chunks at 16 warps; 4096 x 32768 0.147 against 0.146.
-_CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=True)
+# 4096 x 65536 0.314 ms against 0.337 for 8192-column chunks at 16 warps. Rows up to 32768 columns are held (16
+# warps, 121 registers, no spills): 4096 x 32768 H200 0.144 ms against 0.146 chunked, H100 0.181 against 0.192;
+# 4096 x 20496 H100 0.119 against 0.131 (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_rms_fwd.txt).
+_CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=True, held_up_to=32768)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
 # The column-split backward's row sums (rows over rowwise.MAX_HELD_COLUMNS; shared with fused add+RMSNorm): 8192-column
@@ -185,7 +187,7 @@ def _rms_norm_chunked_forward_kernel(
     HAS_OFFSET: tl.constexpr, PREFETCH: tl.constexpr, FULL_CHUNKS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """ROWS rows a program (w read once for all), for rows too wide to hold in registers
-    (rowwise.MAX_HELD_COLUMNS): a first sweep over CHUNK-column chunks sums the squares (per lane, one reduction
+    (``_CHUNKED.held_up_to``): a first sweep over CHUNK-column chunks sums the squares (per lane, one reduction
     at the end), a second reads x again (from L2) and writes y, rounded as the held-row kernel rounds. PREFETCH:
     the first sweep, which reads from DRAM, keeps the next chunk's load in flight (first_sweep_step)."""
     x_row_stride = aligned(x_row_stride, ALIGN)
@@ -443,7 +445,7 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
     """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
 
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
-    messages. Rows wider than ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk`` overrides:
+    messages. Rows wider than 32768 columns are swept in chunks (``chunk`` overrides:
     :func:`liger_core.rowwise.forward_chunk`; ``prefetch`` the chunked sweep's prefetch, ``full_chunks`` its
     masks: :func:`liger_core.rowwise.full_chunks`); ``block_m`` and ``num_warps`` override the launch too."""
     _check_inputs(x, weight, casting_mode, weight_name)

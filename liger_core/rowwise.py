@@ -30,10 +30,11 @@ def tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
     return max(1, min(16, elements // block_n, next_power_of_2(n_rows))), block_n
 
 
-# Rows wider than MAX_HELD_COLUMNS are swept by the forwards in column chunks instead of held in registers: a
-# held row spilled from 32768 columns (LayerNorm's forward at 8 warps, 148 bytes a thread) and by kilobytes at
-# 65536 in all three (a 65536-column fp32 row is a whole SM's register file; sm_90 ptxas). No LLM is wider than
-# 16384 (Llama-3-405B), so the held-row kernels serve every model's hidden size.
+# Rows wider than MAX_HELD_COLUMNS are swept by the backwards, and by LayerNorm's forward, in column chunks
+# instead of held in registers: a held row spilled from 32768 columns (LayerNorm's forward at 8 warps, 148 bytes a
+# thread; 92 at 16 warps) and by kilobytes at 65536 in all three (a 65536-column fp32 row is a whole SM's register
+# file; sm_90 ptxas). No LLM is wider than 16384 (Llama-3-405B), so the held-row kernels serve every model's
+# hidden size. The RMSNorm forwards hold rows up to 32768 columns (ChunkedSweep.held_up_to; 16 warps there).
 MAX_HELD_COLUMNS = 16384
 
 
@@ -41,19 +42,20 @@ MAX_HELD_COLUMNS = 16384
 class ChunkedSweep:
     """A family's default launch of its chunked forward: ``chunk`` columns a step at ``num_warps``, with or
     without the next chunk's load issued first (``prefetch``), on ``rows`` rows a program (the parameters read once
-    for all of them)."""
+    for all of them), for rows wider than ``held_up_to`` columns (narrower ones are held in registers)."""
     chunk: int
     num_warps: int
     prefetch: bool
     rows: int = 1
+    held_up_to: int = MAX_HELD_COLUMNS
 
 
-def forward_chunk(n_cols: int, chunk: int | None, default: int) -> int:
-    """Columns a norm forward sweeps at a time: 0 to hold whole rows (the default up to MAX_HELD_COLUMNS),
-    else a power of two (the family's ``default`` past it). ``chunk`` overrides (0 forces held rows; for
-    tuning and tests)."""
+def forward_chunk(n_cols: int, chunk: int | None, sweep: ChunkedSweep) -> int:
+    """Columns a norm forward sweeps at a time: 0 to hold whole rows (the default up to ``sweep.held_up_to``),
+    else a power of two (``sweep.chunk`` past it). ``chunk`` overrides (0 forces held rows; for tuning and
+    tests)."""
     if chunk is None:
-        return default if n_cols > MAX_HELD_COLUMNS else 0
+        return sweep.chunk if n_cols > sweep.held_up_to else 0
     return _columns_override(chunk, "chunk")
 
 
@@ -84,11 +86,11 @@ def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: 
     and strides), then ``n_rows``, ``n_cols`` and ``scalars``; ``constexprs`` are common to both;
     ``full_row_flag`` adds the held kernel's FULL_ROW. ``block_m``, ``num_warps``, ``chunk``, ``prefetch`` and
     ``full_chunks_override`` (:func:`full_chunks`) override (for tuning and tests; a chunk other than the default
-    gets warps_for(chunk))."""
+    gets warps_for(chunk)). A held row past MAX_HELD_COLUMNS gets 16 warps (64 fp32 values a thread at 32768)."""
     if block_m is not None and (block_m < 1 or block_m & (block_m - 1)):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     default_chunk = chunk is None
-    chunk = forward_chunk(n_cols, chunk, chunked.chunk)
+    chunk = forward_chunk(n_cols, chunk, chunked)
     if chunk:
         warps = chunked.num_warps if default_chunk else warps_for(chunk)
         rows = block_m or chunked.rows
@@ -106,7 +108,8 @@ def norm_forward_launch(held_kernel, chunked_kernel, lead_args: tuple, scalars: 
     return Launch(
         kernel=held_kernel, grid=(cdiv(n_rows, block_m),), args=(*lead_args, n_rows, n_cols, *scalars),
         outputs=outputs, constexprs=held,
-        num_warps=num_warps or min(8, max(4, next_power_of_2(block_m * block_n // 1024))))
+        num_warps=num_warps or min(8 if block_n <= MAX_HELD_COLUMNS else 16,
+                                   max(4, next_power_of_2(block_m * block_n // 1024))))
 
 
 def rows_in_group(n_rows: int, groups: int) -> int:

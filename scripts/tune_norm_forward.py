@@ -5,9 +5,10 @@ configuration is marked with *. At 4096 x 4096 (32 MB, ~16 us at the floor) our 
 the sweep says whether small inputs want another configuration.
 
     python3 scripts/tune_norm_forward.py [--shapes 4096x4096 16384x4096 65536x4096] [--timer graph|bench]
-        [--out FILE]
+        [--families rms_norm ...] [--match REGEX] [--out FILE]
 
-Past 16384 columns the forwards sweep each row in chunks (``liger_core.rowwise.forward_chunk``); from 8192
+Past their held_up_to (16384 columns for LayerNorm, 32768 for the RMSNorms) the forwards sweep each row in
+chunks (``liger_core.rowwise.forward_chunk``); from 8192
 columns the sweep tries chunk widths x warps beside the held rows (e.g. ``--shapes 16384x16384 4096x32768
 4096x65536``).
 
@@ -24,6 +25,7 @@ own freshly allocated inputs as the benchmark makes them: at 4096 x 4096 the ben
 import argparse
 import itertools
 import os
+import re
 import statistics
 import sys
 
@@ -109,14 +111,18 @@ def _timer(kind):
     return lambda fn: statistics.median(time_torch(fn))
 
 
-def sweep(n, h, out, timer, families=None):
+def _label(overrides):
+    return "*default" if not overrides else " ".join(f"{SHORT.get(k, k)}={v}" for k, v in overrides.items())
+
+
+def sweep(n, h, out, timer, families=None, match=None):
     for name, plan, inputs, nbytes, reference in _cases(n, h):
         if families is not None and name not in families:
             continue
         floor = nbytes / COPY_BYTES_PER_S * 1e3
-        configs = [{}] + _configs(h)
+        configs = [{}] + [o for o in _configs(h) if match is None or re.search(match, _label(o))]
         for overrides in configs:
-            label = "*default" if not overrides else " ".join(f"{SHORT.get(k, k)}={v}" for k, v in overrides.items())
+            label = _label(overrides)
             try:
                 p = plan(**overrides)
                 ms = timer(lambda: run_plan(p, **inputs))
@@ -166,6 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", action="store_true", help="time whole RMSNorm ops (ours, Liger-Kernel's) instead")
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES, help="norms to sweep")
+    parser.add_argument("--match", help="only the launches whose label matches this regex (and the default)")
     args = parser.parse_args(argv)
     timer = _timer(args.timer)
 
@@ -178,7 +185,7 @@ def main(argv=None) -> int:
             if args.ops:
                 sweep_ops(n, h, out, timer)
             else:
-                sweep(n, h, out, timer, args.families)
+                sweep(n, h, out, timer, args.families, args.match)
 
     return gpu_tables.run("tune_norm_forward", args.out, tables)
 

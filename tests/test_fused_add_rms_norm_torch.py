@@ -427,10 +427,12 @@ def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed
     assert_close(h, h_ref, torch.bfloat16, "h", scale=slack)
     assert_close(rstd, torch.rsqrt(h_ref.pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
 
-def test_rows_over_16384_columns_through_autograd(device, seed):
-    """16400 columns: the forward sweeps three 8192-column chunks, the last partial (tests/core/test_launch.py
-    checks the kernel choice); the op through autograd against the reference."""
-    x, r, w, gy, gh = draw(seed, (2, 16400), torch.bfloat16, device=device)
+@pytest.mark.parametrize("n_cols", [16400, 32800])
+def test_rows_over_16384_columns_through_autograd(n_cols, device, seed):
+    """16400 columns: the forward holds the row (a 32768-wide block at 16 warps); 32800: it sweeps three
+    16384-column chunks, the last partial (tests/core/test_launch.py checks the kernel choice); the backward
+    splits both into column blocks. The op through autograd against the reference."""
+    x, r, w, gy, gh = draw(seed, (2, n_cols), torch.bfloat16, device=device)
     got = run(lambda a, b, c: liger_torch.fused_add_rms_norm(a, b, c), x, r, w, gy, gh)
     want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.0, "llama"), x, r, w, gy.double(), gh.double())
     check(got, want, torch.bfloat16, rows=2)

@@ -386,13 +386,35 @@ def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed
     assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
 def test_rows_over_16384_columns_through_autograd(device, seed):
-    """16400 columns: the forward sweeps three 8192-column chunks, the last partial (tests/core/test_launch.py
+    """16400 columns: the forward sweeps five 4096-column chunks, the last partial (tests/core/test_launch.py
     checks the kernel choice); the op through autograd against the reference."""
     x, w, b, g = draw(seed, (2, 16400), torch.bfloat16, device=device)
     y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, w, b)
     y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)
     for got, want, name in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dw"), (db, db_ref, "db")):
         assert_close(got, want, torch.bfloat16, name, scale=2 ** 0.5 if name in ("dw", "db") else 1.0)
+
+
+@pytest.mark.parametrize("has_weight,has_bias", [(True, True), (True, False), (False, True)])
+def test_a_row_held_past_16384_columns_loads_its_parameters_after_the_reductions(has_weight, has_bias, device,
+                                                                                  seed):
+    """``chunk=0`` holds a 16400-column row (a 32768-wide block at 16 warps); past 16384 columns the kernel loads w
+    and b after the row's reductions (held across them they spilled): y, mean and rstd against the reference."""
+    from liger_core import layer_norm as core
+    from liger_torch._launch import info, run_plan
+
+    x, w, b, _ = draw(seed, (3, 16400), torch.bfloat16, device=device)
+    w, b = (w if has_weight else None), (b if has_bias else None)
+    plan = core.forward_plan(info(x), info(w) if has_weight else None, info(b) if has_bias else None, eps=1e-5,
+                             chunk=0)
+    launch = plan.launches[0]
+    assert launch.kernel.fn.__name__ == "_layer_norm_forward_kernel" and launch.constexprs["BLOCK_N"] == 32768
+    assert launch.num_warps == 16
+    y, mean, rstd = run_plan(plan, x=x, **({"weight": w} if has_weight else {}), **({"bias": b} if has_bias else {}))
+    xd = x.double()
+    assert_close(y, reference(x, w, b, 1e-5), torch.bfloat16, "y")
+    assert_close(mean, xd.mean(-1), torch.float32, "mean")
+    assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
 
 @pytest.mark.parametrize("layout", ["row_slice", "strided_columns"])

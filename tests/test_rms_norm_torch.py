@@ -416,13 +416,15 @@ def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed
     assert_close(y, reference(x, w, 1e-6, 0.0, "llama"), torch.bfloat16, "y")
     assert_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6), torch.float32, "rstd")
 
-def test_rows_over_16384_columns_through_autograd(device, seed):
-    """16400 columns: the forward sweeps three 8192-column chunks, the last partial (tests/core/test_launch.py
-    checks the kernel choice); the op through autograd against the reference."""
+@pytest.mark.parametrize("n_cols", [16400, 32800])
+def test_rows_over_16384_columns_through_autograd(n_cols, device, seed):
+    """16400 columns: the forward holds the row (a 32768-wide block at 16 warps); 32800: it sweeps three
+    16384-column chunks, the last partial (tests/core/test_launch.py checks the kernel choice); the backward
+    splits both into column blocks. The op through autograd against the reference."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 16400, generator=gen).to(device, torch.bfloat16)
-    w = (torch.rand(16400, generator=gen) + 0.5).to(device, torch.bfloat16)
-    g = torch.randn(2, 16400, generator=gen).to(device, torch.bfloat16)
+    x = torch.randn(2, n_cols, generator=gen).to(device, torch.bfloat16)
+    w = (torch.rand(n_cols, generator=gen) + 0.5).to(device, torch.bfloat16)
+    g = torch.randn(2, n_cols, generator=gen).to(device, torch.bfloat16)
     y, dx, dw = grads_of(lambda a, b: liger_torch.rms_norm(a, b), x, w, g.clone())
     y_ref, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x, w, g.double())
     assert_close(y, y_ref, torch.bfloat16, "y")

@@ -33,13 +33,14 @@ def bf16(*shape):
     return ArrayInfo.contiguous(shape, "bfloat16")
 
 
-def chunked_forward_cases(x, w):
-    """The three norm forwards on rows of ``x``'s width (past rowwise.MAX_HELD_COLUMNS: the chunked sweeps)."""
+def norm_forward_cases(x, w, families=NORM_FAMILIES, label="", **overrides):
+    """The norm forwards of ``families`` on rows of ``x``'s width (past their held_up_to: the chunked sweeps;
+    ``overrides`` for the plans), named "<family> forward, <n> columns<label>"."""
     arrays = {"x": x, "residual": x, "weight": w, "bias": w}
     cases = {}
-    for family in NORM_FAMILIES:
-        plan = norm_forward_plan(family, x, w)
-        cases[f"{family} forward, {x.shape[-1]} columns"] = (plan, {name: arrays[name] for name in plan.inputs})
+    for family in families:
+        plan = norm_forward_plan(family, x, w, **overrides)
+        cases[f"{family} forward, {x.shape[-1]} columns{label}"] = (plan, {n: arrays[n] for n in plan.inputs})
     return cases
 
 
@@ -54,6 +55,7 @@ def cases():
     wide, wide_w = bf16(64, 16384), bf16(16384)
     widest, widest_w = bf16(8, 65536), bf16(65536)
     ragged, ragged_w = bf16(8, 20496), bf16(20496)
+    held, held_w = bf16(8, 32768), bf16(32768)
     scalar = ArrayInfo.contiguous((), "float32")
     return {
         "rms_norm forward": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
@@ -101,9 +103,12 @@ def cases():
         "layer_norm backward, 16384 columns": (
             layer_norm.backward_plan(wide, wide, wide_w, wide_w, num_sms=132),
             {"dy": wide, "x": wide, "weight": wide_w, "bias": wide_w, "mean": rows, "rstd": rows}),
-        # rows over 16384 columns: swept in column chunks, twice (a held 65536-column row spilled kilobytes); whole
-        # chunks at 65536, a partial last chunk (the masked sweeps) at 20496
-        **chunked_forward_cases(widest, widest_w), **chunked_forward_cases(ragged, ragged_w),
+        # rows over their held_up_to: swept in column chunks, twice (a held 65536-column row spilled kilobytes);
+        # whole chunks at 65536, a partial last chunk (the masked sweeps) at 20496 (4096-column chunks: the RMSNorms
+        # hold such rows by default)
+        **norm_forward_cases(widest, widest_w), **norm_forward_cases(ragged, ragged_w, chunk=4096),
+        # the RMSNorms hold rows up to 32768 columns (16 warps)
+        **norm_forward_cases(held, held_w, ("rms_norm", "fused_add_rms_norm"), " (held)"),
         # rows over 16384 columns: the backward's row sums, then 4096-column blocks (a whole-row tile spilled)
         "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132),
                                              {"dy": widest, "x": widest, "weight": widest_w, "rstd": rows}),

@@ -68,8 +68,8 @@ def test_mode_is_decided_once():
     assert runtime.interpreting() is liger_core.INTERPRET
 
 
-def _norm_forward_kernel(family, n_cols, chunk=None, block_m=None):
-    """The kernel a norm forward plan (bf16 rows of ``n_cols``, no parameters) launches."""
+def _norm_forward_launch(family, n_cols, chunk=None, block_m=None):
+    """The launch of a norm forward plan (bf16 rows of ``n_cols``, no parameters)."""
     from liger_core import fused_add_rms_norm, layer_norm, rms_norm
 
     x = ArrayInfo.contiguous((2, n_cols), "bfloat16")
@@ -77,15 +77,22 @@ def _norm_forward_kernel(family, n_cols, chunk=None, block_m=None):
     plan = {"rms_norm": lambda: rms_norm.forward_plan(x, None, eps=1e-6, **o),
             "layer_norm": lambda: layer_norm.forward_plan(x, None, None, eps=1e-5, **o),
             "fused_add_rms_norm": lambda: fused_add_rms_norm.forward_plan(x, x, None, eps=1e-6, **o)}[family]()
-    return plan.launches[0].kernel.fn.__name__
+    return plan.launches[0]
 
 
-@pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
-def test_norm_forwards_hold_rows_up_to_16384_columns_and_chunk_wider_ones(family):
-    """A held row spilled from 32768 columns on (ptxas); ``chunk`` overrides either way."""
+def _norm_forward_kernel(family, n_cols, chunk=None, block_m=None):
+    """The kernel a norm forward plan (bf16 rows of ``n_cols``, no parameters) launches."""
+    return _norm_forward_launch(family, n_cols, chunk, block_m).kernel.fn.__name__
+
+
+@pytest.mark.parametrize("family,held_up_to", [("rms_norm", 32768), ("layer_norm", 16384),
+                                               ("fused_add_rms_norm", 32768)])
+def test_norm_forwards_hold_rows_up_to_their_limit_and_chunk_wider_ones(family, held_up_to):
+    """LayerNorm's held row spilled from 32768 columns on, the RMSNorms' did not (ptxas, 16 warps); ``chunk``
+    overrides either way."""
     held, chunked = f"_{family}_forward_kernel", f"_{family}_chunked_forward_kernel"
-    assert _norm_forward_kernel(family, 16384) == held
-    assert _norm_forward_kernel(family, 16385) == chunked
+    assert _norm_forward_kernel(family, held_up_to) == held
+    assert _norm_forward_kernel(family, held_up_to + 1) == chunked
     assert _norm_forward_kernel(family, 64, chunk=16) == chunked
     assert _norm_forward_kernel(family, 65536, chunk=0) == held
     for chunk in (24, 8, -16):
@@ -94,6 +101,12 @@ def test_norm_forwards_hold_rows_up_to_16384_columns_and_chunk_wider_ones(family
     for block_m in (3, 0, -2):  # rows a program, held or chunked: a tl.arange length
         with pytest.raises(ValueError, match="block_m must be a power of two"):
             _norm_forward_kernel(family, 64, chunk=16, block_m=block_m)
+
+
+@pytest.mark.parametrize("n_cols,warps", [(4096, 4), (16384, 8), (16385, 16), (32768, 16)])
+def test_a_held_row_past_16384_columns_gets_16_warps(n_cols, warps):
+    """64 fp32 values a thread at 32768 columns: at 8 warps ptxas took 225 registers, one program an SM."""
+    assert _norm_forward_launch("rms_norm", n_cols).num_warps == warps
 
 
 def _norm_backward_kernels(family, n_cols, column_block=None):

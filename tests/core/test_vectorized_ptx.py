@@ -113,13 +113,14 @@ def test_wide_norm_backwards_reload_instead_of_spilling(tmp_path):
 
 WIDE_FORWARDS = {f"{family} forward, {n} columns" for family in ("rms_norm", "layer_norm", "fused_add_rms_norm")
                  for n in (65536, 20496)}  # whole chunks (no column masks), and a partial last chunk
+WIDE_FORWARDS |= {"rms_norm forward, 32768 columns (held)", "fused_add_rms_norm forward, 32768 columns (held)"}
 
 
 def test_wide_norm_forwards_sweep_in_chunks_without_spilling(tmp_path):
-    """Over 16384 columns the norm forwards sweep each row in column chunks, twice, instead of holding it
+    """Past their held_up_to the norm forwards sweep each row in column chunks, twice, instead of holding it
     (a 65536-column row held at 8 warps spilled 3.0 / 5.8 / 6.2 KB a thread in RMSNorm / LayerNorm / fused
-    add+RMSNorm): no spills, 16-byte accesses (LayerNorm: plus one 2-byte load, the row's first value, its
-    shift)."""
+    add+RMSNorm); the RMSNorms hold rows up to 32768 columns at 16 warps: no spills, 16-byte accesses
+    (LayerNorm: plus one 2-byte load, the row's first value, its shift)."""
     rows = [r for r in compile_all(tmp_path, *sorted(WIDE_FORWARDS), "--report") if r["case"] in WIDE_FORWARDS]
     assert {r["case"] for r in rows} == WIDE_FORWARDS
     for r in rows:

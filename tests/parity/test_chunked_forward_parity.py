@@ -1,7 +1,8 @@
-"""The chunked norm forwards (rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces them on small rows) with
+"""The chunked norm forwards (rows over their held_up_to; ``chunk`` forces them on small rows) with
 several rows a program (``block_m``, ROWS), and the column-split backwards (``column_block`` forces them),
 launched from the same plan by both frontends' launchers: the same outputs, bit for bit. The public ops take one
-row a program by default, which the per-family parity tests cover at 16400 columns."""
+row a program by default, which the per-family parity tests cover at 16400 columns (LayerNorm's forward in chunks,
+the RMSNorms' held)."""
 
 import jax.numpy as jnp
 import numpy as np

@@ -12,9 +12,8 @@ import liger_torch
 from helpers import assert_parity, as_numpy, to_torch
 
 
-# 9000: a wide row (one 16384-wide tile); 16400: over 16384 columns (the forward sweeps it in chunks, the
-# backward splits it into column blocks;
-# two cases: the interpreter is slow there)
+# 9000: a wide row (one 16384-wide tile); 16400: over 16384 columns (the forward holds it in a 32768-wide block,
+# the backward splits it into column blocks; two cases: the interpreter is slow there)
 CASES = [(shape, mode, offset, dtypes) for shape in [(1, 64), (7, 123), (2, 3, 200), (3, 9000)]
          for mode, offset in [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)]
          for dtypes in [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")]]

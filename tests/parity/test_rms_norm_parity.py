@@ -16,9 +16,8 @@ from helpers import assert_parity, to_torch
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# 9000: a wide row (one 16384-wide tile); 16400: over 16384 columns (the forward sweeps it in chunks, the
-# backward splits it into column blocks;
-# two cases: the interpreter is slow there)
+# 9000: a wide row (one 16384-wide tile); 16400: over 16384 columns (the forward holds it in a 32768-wide block,
+# the backward splits it into column blocks; two cases: the interpreter is slow there)
 CASES = [(shape, mode, offset, dtype) for shape in [(1, 64), (7, 123), (2, 3, 200), (3, 9000)]
          for mode, offset in [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)] for dtype in ["float32", "bfloat16"]]
 CASES += [((2, 16400), "llama", 0.0, "bfloat16"), ((2, 16400), "gemma", 1.0, "float32")]
