@@ -3,8 +3,8 @@
 h has the promotion of x's and residual's dtypes (the sum is rounded to it once, as a half-precision add
 would be); y follows :mod:`liger_core.rms_norm` with h in the role of x (same casting modes, same offset,
 same output dtype). Forward saves rstd (fp32, one per row); the backward reads only h, never x or residual.
-Rows over 32768 columns (``_CHUNKED.held_up_to``) are swept in column chunks, twice: h and its squares, then y
-from h.
+Rows over 32768 columns (``_CHUNKED.held_up_to``; 16384 with an fp32 operand) are swept in column chunks, twice:
+h and its squares, then y from h.
 
 Backward, one pass per row block: dh_total = d rms_norm / dh + dh_in (dh_in: the incoming gradient of the
 returned h), and dx = dresidual = dh_total (rounded to x's and residual's dtypes); dw from per-program fp32
@@ -29,7 +29,7 @@ from .rms_norm import (
     row_dots_launch,
 )
 from .rowwise import (
-    ChunkedSweep, backward_tiles, gradient_output, norm_forward_launch, row_view, rows_in_group,
+    ChunkedSweep, backward_tiles, gradient_output, held_rows_for, norm_forward_launch, row_view, rows_in_group,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -40,7 +40,8 @@ from .tl_math import aligned, cast, chunk_columns, round_to
 _FORWARD_TILE = 4096
 # The chunked forward (rows over held_up_to columns): 16384-column chunks at 32 warps, no prefetch (45
 # registers). H200 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt): 4096 x 65536 0.546 ms against 0.595
-# for 8192-column chunks at 16 warps. Rows up to 32768 columns are held (16 warps, 128 registers, no spills):
+# for 8192-column chunks at 16 warps. Rows up to 32768 columns are held (16 warps, 128 registers, no spills; only
+# with 2-byte x, residual and weight: rowwise.held_rows_for):
 # 4096 x 32768 H200 0.260 ms against 0.272 chunked, H100 0.356 both; 4096 x 20496 H100 0.224 against 0.242
 # (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_rms_fwd.txt).
 _CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=False, held_up_to=32768)
@@ -148,7 +149,7 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
 
     Inputs ``x``, ``residual`` (and ``weight``); outputs ``y``, ``h`` (= x + residual) and ``rstd``.
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
-    messages. Rows wider than 32768 columns are swept in chunks (``chunk``, ``prefetch``,
+    messages. Rows wider than 32768 columns (16384 with an fp32 operand) are swept in chunks (``chunk``, ``prefetch``,
     ``full_chunks``, ``block_m`` and ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`,
     :func:`~.rowwise.full_chunks`)."""
     _check_pair(x, residual, weight, casting_mode, weight_name)
@@ -167,8 +168,8 @@ def forward_plan(x: ArrayInfo, residual: ArrayInfo, weight: ArrayInfo | None, *,
          NewBuffer("rstd", x.shape[:-1], "float32")),
         {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0},
         n_rows, n_cols,
-        tile_elements=_FORWARD_TILE, chunked=_CHUNKED, block_m=block_m, num_warps=num_warps,
-        chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks)
+        tile_elements=_FORWARD_TILE, chunked=held_rows_for(_CHUNKED, x, residual, weight), block_m=block_m,
+        num_warps=num_warps, chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks)
     inputs = ("x", "residual", "weight") if has_weight else ("x", "residual")
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "h", "rstd"))
 

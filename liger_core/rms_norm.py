@@ -7,11 +7,11 @@ Casting modes (what is computed in which precision):
   x's dtype.
 - ``none``: mean of squares in fp32, the rest in x's dtype.
 
-Forward saves rstd (fp32, one per row); rows over 32768 columns (``_CHUNKED.held_up_to``) are swept in two passes
-of column chunks instead of held in registers (``rowwise.ChunkedSweep`` rows a program). Backward: one pass per row
-block gives dx (optionally written over dy) and per-program fp32 partial sums of dw, reduced in a fixed order by
-:mod:`liger_core.reduce`; rows over ``MAX_HELD_COLUMNS`` are summed in a first sweep, then walked in column
-blocks (:func:`liger_core.rowwise.backward_tiles`).
+Forward saves rstd (fp32, one per row); rows over 32768 columns (``_CHUNKED.held_up_to``; 16384 with an fp32 x or
+weight) are swept in two passes of column chunks instead of held in registers (``rowwise.ChunkedSweep`` rows a
+program). Backward: one pass per row block gives dx (optionally written over dy) and per-program fp32 partial
+sums of dw, reduced in a fixed order by :mod:`liger_core.reduce`; rows over ``MAX_HELD_COLUMNS`` are summed in a
+first sweep, then walked in column blocks (:func:`liger_core.rowwise.backward_tiles`).
 Without a weight, y = x * rstd and ``offset`` is unused.
 """
 
@@ -28,8 +28,8 @@ from .launch import (
 )
 from .reduce import sum_partials_launch
 from .rowwise import (
-    BackwardTiles, ChunkedSweep, backward_tiles, full_chunks, gradient_output, norm_forward_launch, row_view,
-    rows_in_group,
+    BackwardTiles, ChunkedSweep, backward_tiles, full_chunks, gradient_output, held_rows_for, norm_forward_launch,
+    row_view, rows_in_group,
 )
 from .tl_math import aligned, cast, chunk_columns, round_to
 
@@ -42,8 +42,9 @@ _FORWARD_TILE = 4096
 # The chunked forward (rows over held_up_to columns): 16384-column chunks at 32 warps, the next chunk's load
 # issued first (52 registers, one program an SM). H200 bf16 (benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt):
 # 4096 x 65536 0.314 ms against 0.337 for 8192-column chunks at 16 warps. Rows up to 32768 columns are held (16
-# warps, 121 registers, no spills): 4096 x 32768 H200 0.144 ms against 0.146 chunked, H100 0.181 against 0.192;
-# 4096 x 20496 H100 0.119 against 0.131 (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_rms_fwd.txt).
+# warps, 121 registers, no spills; only with 2-byte x and weight: rowwise.held_rows_for): 4096 x 32768 H200 0.144
+# ms against 0.146 chunked, H100 0.181 against 0.192; 4096 x 20496 H100 0.119 against 0.131
+# (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_rms_fwd.txt).
 _CHUNKED = ChunkedSweep(chunk=16384, num_warps=32, prefetch=True, held_up_to=32768)
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
@@ -445,7 +446,7 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
     """Plan for ``y, rstd = rms_norm(x, weight)``; inputs ``x`` (and ``weight``), outputs ``y``, ``rstd``.
 
     ``weight_name`` and ``eps_name`` are the weight's and epsilon's names in the caller's API, for error
-    messages. Rows wider than 32768 columns are swept in chunks (``chunk`` overrides:
+    messages. Rows wider than 32768 columns (16384 with an fp32 x or weight) are swept in chunks (``chunk`` overrides:
     :func:`liger_core.rowwise.forward_chunk`; ``prefetch`` the chunked sweep's prefetch, ``full_chunks`` its
     masks: :func:`liger_core.rowwise.full_chunks`); ``block_m`` and ``num_warps`` override the launch too."""
     _check_inputs(x, weight, casting_mode, weight_name)
@@ -461,8 +462,8 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, *, eps: float, offset: 
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("rstd", x.shape[:-1], "float32")),
         {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0},
         n_rows, n_cols,
-        tile_elements=_FORWARD_TILE, chunked=_CHUNKED, block_m=block_m, num_warps=num_warps,
-        chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks)
+        tile_elements=_FORWARD_TILE, chunked=held_rows_for(_CHUNKED, x, weight), block_m=block_m,
+        num_warps=num_warps, chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks)
     inputs = ("x", "weight") if has_weight else ("x",)
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "rstd"))
 

@@ -9,9 +9,11 @@ by :mod:`liger_core.reduce`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .launch import MAX_GRID_YZ, ArrayInfo, Launch, NewBuffer, cdiv, collapse_rows, next_power_of_2, warps_for
+from .launch import (
+    ITEMSIZE, MAX_GRID_YZ, ArrayInfo, Launch, NewBuffer, cdiv, collapse_rows, next_power_of_2, warps_for,
+)
 
 
 def row_view(info: ArrayInfo, name: str) -> tuple[int, int, int, int]:
@@ -48,6 +50,15 @@ class ChunkedSweep:
     prefetch: bool
     rows: int = 1
     held_up_to: int = MAX_HELD_COLUMNS
+
+
+def held_rows_for(sweep: ChunkedSweep, *arrays: ArrayInfo | None) -> ChunkedSweep:
+    """``sweep``, holding rows past MAX_HELD_COLUMNS only where every one of ``arrays`` (None: absent) has 2-byte
+    elements: with an fp32 weight or residual a held 32768-column row spilled (ptxas, 16 warps: 28-144 bytes a
+    thread), and an fp32 x left no register spare."""
+    if sweep.held_up_to <= MAX_HELD_COLUMNS or all(a is None or ITEMSIZE[a.dtype] == 2 for a in arrays):
+        return sweep
+    return replace(sweep, held_up_to=MAX_HELD_COLUMNS)
 
 
 def forward_chunk(n_cols: int, chunk: int | None, sweep: ChunkedSweep) -> int:

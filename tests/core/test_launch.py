@@ -68,15 +68,17 @@ def test_mode_is_decided_once():
     assert runtime.interpreting() is liger_core.INTERPRET
 
 
-def _norm_forward_launch(family, n_cols, chunk=None, block_m=None):
-    """The launch of a norm forward plan (bf16 rows of ``n_cols``, no parameters)."""
+def _norm_forward_launch(family, n_cols, chunk=None, block_m=None, dtypes=("bfloat16", "bfloat16", None)):
+    """The launch of a norm forward plan on rows of ``n_cols``; ``dtypes``: x's, the residual's and the weight's
+    (None: no weight; LayerNorm's bias as the weight)."""
     from liger_core import fused_add_rms_norm, layer_norm, rms_norm
 
-    x = ArrayInfo.contiguous((2, n_cols), "bfloat16")
+    x, r = (ArrayInfo.contiguous((2, n_cols), d) for d in dtypes[:2])
+    w = None if dtypes[2] is None else ArrayInfo.contiguous((n_cols,), dtypes[2])
     o = dict(chunk=chunk, block_m=block_m)
-    plan = {"rms_norm": lambda: rms_norm.forward_plan(x, None, eps=1e-6, **o),
-            "layer_norm": lambda: layer_norm.forward_plan(x, None, None, eps=1e-5, **o),
-            "fused_add_rms_norm": lambda: fused_add_rms_norm.forward_plan(x, x, None, eps=1e-6, **o)}[family]()
+    plan = {"rms_norm": lambda: rms_norm.forward_plan(x, w, eps=1e-6, **o),
+            "layer_norm": lambda: layer_norm.forward_plan(x, w, w, eps=1e-5, **o),
+            "fused_add_rms_norm": lambda: fused_add_rms_norm.forward_plan(x, r, w, eps=1e-6, **o)}[family]()
     return plan.launches[0]
 
 
@@ -101,6 +103,20 @@ def test_norm_forwards_hold_rows_up_to_their_limit_and_chunk_wider_ones(family, 
     for block_m in (3, 0, -2):  # rows a program, held or chunked: a tl.arange length
         with pytest.raises(ValueError, match="block_m must be a power of two"):
             _norm_forward_kernel(family, 64, chunk=16, block_m=block_m)
+
+
+@pytest.mark.parametrize("family,dtypes", [
+    ("rms_norm", ("float32", "float32", None)), ("rms_norm", ("bfloat16", "bfloat16", "float32")),
+    ("fused_add_rms_norm", ("bfloat16", "float32", "bfloat16")),
+    ("fused_add_rms_norm", ("float16", "float16", "float32"))])
+def test_the_rms_norms_hold_rows_past_16384_columns_only_with_2_byte_operands(family, dtypes):
+    """An fp32 weight or residual spilled a held 32768-column row (ptxas, 16 warps: 28-144 bytes a thread), and an
+    fp32 x left no register spare: those rows go in chunks past 16384 columns, as LayerNorm's."""
+    assert _norm_forward_launch(family, 16384, dtypes=dtypes).kernel.fn.__name__ == f"_{family}_forward_kernel"
+    wider = _norm_forward_launch(family, 16385, dtypes=dtypes).kernel.fn.__name__
+    assert wider == f"_{family}_chunked_forward_kernel"
+    half = tuple(None if d is None else "float16" for d in dtypes)
+    assert _norm_forward_launch(family, 32768, dtypes=half).kernel.fn.__name__ == f"_{family}_forward_kernel"
 
 
 @pytest.mark.parametrize("n_cols,warps", [(4096, 4), (16384, 8), (16385, 16), (32768, 16)])
