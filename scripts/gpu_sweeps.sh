@@ -18,3 +18,9 @@ step 80 wide_tests python3 -m pytest -q -p no:cacheprovider tests/test_rms_norm_
   tests/test_fused_add_rms_norm_torch.py tests/test_layer_norm_torch.py tests/parity/test_rms_norm_parity.py \
   tests/parity/test_fused_add_rms_norm_parity.py tests/parity/test_layer_norm_parity.py \
   tests/gpu/test_huge_inputs.py::test_chunked_norm_forwards_past_2_31_elements -k "16384_columns or 16400 or held or chunked"
+# On an H200 (none came in s21-s23): the open predictions, CE 8192x128256 fwd+bwd ~1.20-1.25 ms and LayerNorm
+# 4096x65536 fwd ~0.33.
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  step 120 h200_open bash scripts/gpu_check.sh bench --tag h200_open --kernels cross_entropy layer_norm \
+    --match "(fwd\+bwd 8192x128256 |fwd 4096x65536 )(liger_torch|liger_kernel|torch_compile)$"
+fi
