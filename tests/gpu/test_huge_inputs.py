@@ -112,38 +112,36 @@ def test_rms_norm_jax_past_2_31_elements():
     del x, dy, dx, ds, vjp
 
 
-# --------------------------------------------------------------------------------- chunked norm forwards
-WIDE_H = 65536                          # swept in chunks (rowwise.MAX_HELD_COLUMNS)
-WIDE_BOUNDARY = LIMIT // WIDE_H         # 32768: the first row past 2**31 elements
-WIDE_ROWS = WIDE_BOUNDARY + 2
-WIDE_CHECK = [0, WIDE_BOUNDARY - 1, WIDE_BOUNDARY, WIDE_BOUNDARY + 1]
-
-
+# --------------------------------------------------------------------------------- wide norm forwards
+@pytest.mark.parametrize("width", [32768, 65536])  # held by the RMSNorms, chunked by LayerNorm; chunked by all
 @pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
-def test_chunked_norm_forwards_past_2_31_elements(family):
-    """The chunked forwards (rows over 16384 columns) at 32770 x 65536: every row written
-    and finite, the rows around the boundary against the reference."""
+def test_wide_norm_forwards_past_2_31_elements(family, width):
+    """The forwards of rows over 16384 columns (chunked; the RMSNorms hold 32768-column rows) past 2**31
+    elements: every row written and finite, the rows around the boundary against the reference."""
     from test_fused_add_rms_norm_torch import reference as fa_reference
     from test_layer_norm_torch import reference as ln_reference
 
+    boundary = LIMIT // width  # the first row past 2**31 elements
+    n_rows = boundary + 2
+    check = [0, boundary - 1, boundary, boundary + 1]
     need_gib(20 if family == "fused_add_rms_norm" else 10)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(WIDE_ROWS, WIDE_H, generator=gen, device="cuda", dtype=BF16)
-    w = (torch.rand(WIDE_H, generator=gen, device="cuda") + 0.5).to(BF16)
+    x = torch.randn(n_rows, width, generator=gen, device="cuda", dtype=BF16)
+    w = (torch.rand(width, generator=gen, device="cuda") + 0.5).to(BF16)
     with torch.no_grad():
         if family == "rms_norm":
             y, want = liger_torch.rms_norm(x, w), lambda r: rms_reference(x[r], w, 1e-6, 0.0, "llama")
         elif family == "layer_norm":
-            b = torch.randn(WIDE_H, generator=gen, device="cuda", dtype=BF16)
+            b = torch.randn(width, generator=gen, device="cuda", dtype=BF16)
             y, want = liger_torch.layer_norm(x, w, b), lambda r: ln_reference(x[r], w, b, 1e-5)
         else:
-            res = torch.randn(WIDE_ROWS, WIDE_H, generator=gen, device="cuda", dtype=BF16)
+            res = torch.randn(n_rows, width, generator=gen, device="cuda", dtype=BF16)
             y, h = liger_torch.fused_add_rms_norm(x, res, w)
-            assert torch.equal(h[WIDE_CHECK], x[WIDE_CHECK] + res[WIDE_CHECK])
+            assert torch.equal(h[check], x[check] + res[check])
             del h
             want = lambda r: fa_reference(x[r], res[r], w, 1e-6, 0.0, "llama")[0]  # noqa: E731
     assert bool(torch.isfinite(y).all()), "rows left unwritten (NaN poison) or overflowed"
-    assert_close(y[WIDE_CHECK], want(WIDE_CHECK), BF16, f"{family} y at rows {WIDE_CHECK}")
+    assert_close(y[check], want(check), BF16, f"{family} y at rows {check}")
 
 
 # ----------------------------------------------------------------------------------------- cross-entropy
