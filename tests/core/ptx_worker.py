@@ -6,6 +6,7 @@ Run as a script (no GPU needed: Triton compiles for a named target); prints one 
 with ALIGN=1, to show what the hints change; ``--report`` adds ptxas's registers and spill bytes per thread.
 """
 
+import itertools
 import json
 import os
 import re
@@ -41,6 +42,20 @@ def norm_forward_cases(x, w, families=NORM_FAMILIES, label="", **overrides):
     for family in families:
         plan = norm_forward_plan(family, x, w, **overrides)
         cases[f"{family} forward, {x.shape[-1]} columns{label}"] = (plan, {n: arrays[n] for n in plan.inputs})
+    return cases
+
+
+DEFAULT_FORWARD_WIDTHS = (16384, 20496, 32768, 65536)
+DEFAULT_FORWARD_DTYPES = (("bfloat16", "bfloat16"), ("bfloat16", "float32"))  # x's (and the residual's), w's
+
+
+def default_forward_cases():
+    """The norm forwards' default launches around their held/chunked limits, bf16 rows with a bf16 or an fp32
+    weight, named "<family> forward, <n> columns, weight <dtype>"."""
+    cases = {}
+    for n, (x_dtype, w_dtype) in itertools.product(DEFAULT_FORWARD_WIDTHS, DEFAULT_FORWARD_DTYPES):
+        x, w = ArrayInfo.contiguous((8, n), x_dtype), ArrayInfo.contiguous((n,), w_dtype)
+        cases.update(norm_forward_cases(x, w, label=f", weight {w_dtype}"))
     return cases
 
 
@@ -109,6 +124,7 @@ def cases():
         **norm_forward_cases(widest, widest_w), **norm_forward_cases(ragged, ragged_w, chunk=4096),
         # the RMSNorms hold rows up to 32768 columns (16 warps)
         **norm_forward_cases(held, held_w, ("rms_norm", "fused_add_rms_norm"), " (held)"),
+        **default_forward_cases(),
         # rows over 16384 columns: the backward's row sums, then 4096-column blocks (a whole-row tile spilled)
         "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132),
                                              {"dy": widest, "x": widest, "weight": widest_w, "rstd": rows}),
