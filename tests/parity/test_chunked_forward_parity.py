@@ -88,3 +88,27 @@ def test_layer_norm_wide_default_forward_parity(n_cols, chunk, device, seed):
     got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in inputs.items()})
     for name, t, j in zip(plan.outputs, got_torch, got_jax):
         assert_parity(as_numpy(t), np.asarray(j), name)
+
+
+@pytest.mark.parametrize("family", NORM_FAMILIES)
+def test_held_row_past_16384_columns_parity(family, device, seed):
+    """A held 16400-column row (a 32768-wide block at 16 warps; LayerNorm's w and b loaded after the reductions,
+    the RMSNorms' default there, LayerNorm's with ``chunk=0``) through both launchers, bit for bit."""
+    from liger_core.launch import ArrayInfo
+    from liger_jax._launch import run_plan as run_jax
+    from liger_torch._launch import run_plan as run_torch
+
+    rng = np.random.default_rng(seed)
+    shape = (2, 16400)
+    x, r = (np.asarray(rng.standard_normal(shape) * 2 + 0.5, jnp.bfloat16) for _ in range(2))
+    w, b = (np.asarray(rng.standard_normal(shape[-1]), jnp.bfloat16) for _ in range(2))
+    plan = norm_forward_plan(family, ArrayInfo.contiguous(shape, "bfloat16"),
+                             ArrayInfo.contiguous((shape[-1],), "bfloat16"), chunk=0)
+    launch = plan.launches[0]
+    assert launch.kernel.fn.__name__ == f"_{family}_forward_kernel" and launch.constexprs["BLOCK_N"] == 32768
+    arrays = dict(x=x, residual=r, weight=w, bias=b)
+    inputs = {name: arrays[name] for name in plan.inputs}
+    got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in inputs.items()})
+    got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in inputs.items()})
+    for name, t, j in zip(plan.outputs, got_torch, got_jax):
+        assert_parity(as_numpy(t), np.asarray(j), name)
