@@ -30,7 +30,8 @@ from .rms_norm import (
     load_row_values, reload_backward_tile, row_sums_pointers, row_sums_step,
 )
 from .rowwise import (
-    ChunkedSweep, backward_tiles, full_chunks, gradient_output, norm_forward_launch, row_view, rows_in_group,
+    ChunkedSweep, backward_tiles, full_chunks, gradient_output, held_rows_for, norm_forward_launch, row_view,
+    rows_in_group,
 )
 
 # Launch configuration. Forward as RMSNorm's tuned forward: ~4k elements of x per program. Backward as RMSNorm's
@@ -52,8 +53,8 @@ _WIDE_FORWARD_TILE = 32768
 # chose 4096 x 8 before those changes: 0.412 against 0.437 at 8192 x 16, h200-2026-12-06-tune_wide_fwd.txt.)
 _CHUNKED_BY_WIDTH = (
     (65536, ChunkedSweep(chunk=16384, num_warps=16, prefetch=True)),
-    (32768, ChunkedSweep(chunk=8192, num_warps=16, prefetch=False)),
-    (0, ChunkedSweep(chunk=4096, num_warps=8, prefetch=False)),
+    (32768, ChunkedSweep(chunk=8192, num_warps=16, prefetch=False, held_up_to=32768)),
+    (0, ChunkedSweep(chunk=4096, num_warps=8, prefetch=False, held_up_to=32768)),
 )
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1
@@ -390,8 +391,8 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
         (NewBuffer("y", x.shape, y_dtype), NewBuffer("mean", x.shape[:-1], "float32"),
          NewBuffer("rstd", x.shape[:-1], "float32")),
         {"HAS_WEIGHT": has_weight, "HAS_BIAS": has_bias}, n_rows, n_cols, tile_elements=_forward_tile(n_cols),
-        chunked=by_width(_CHUNKED_BY_WIDTH, n_cols), block_m=block_m, num_warps=num_warps, chunk=chunk,
-        prefetch=prefetch, full_chunks_override=full_chunks, full_row_flag=True)
+        chunked=held_rows_for(by_width(_CHUNKED_BY_WIDTH, n_cols), x, weight, bias), block_m=block_m,
+        num_warps=num_warps, chunk=chunk, prefetch=prefetch, full_chunks_override=full_chunks, full_row_flag=True)
     inputs = ("x",) + (("weight",) if has_weight else ()) + (("bias",) if has_bias else ())
     return Plan(inputs=inputs, launches=(launch,), outputs=("y", "mean", "rstd"))
 

@@ -331,8 +331,9 @@ def test_chunked_forward_against_reference(shape, chunk, params, dtype, device, 
 @pytest.mark.parametrize("n_cols,chunk,warps,prefetch", [(20496, 4096, 8, False), (32768, 8192, 16, False),
                                                          (65541, 16384, 16, True)])
 def test_default_chunked_launch_by_width(n_cols, chunk, warps, prefetch, device, seed):
-    """Past 16384 columns the forward's chunk grows with the row (layer_norm._CHUNKED_BY_WIDTH); each default is
-    right on its own width, the widest with a 5-column partial last chunk."""
+    """Past 16384 columns (fp32 rows: held only to 16384, rowwise.held_rows_for) the forward's chunk grows with
+    the row (layer_norm._CHUNKED_BY_WIDTH); each default is right on its own width, the widest with a 5-column
+    partial last chunk."""
     from liger_core import layer_norm as core
     from liger_torch._launch import info, run_plan
 
@@ -385,10 +386,12 @@ def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed
     assert_close(mean, xd.mean(-1), torch.float32, "mean")
     assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
-def test_rows_over_16384_columns_through_autograd(device, seed):
-    """16400 columns: the forward sweeps five 4096-column chunks, the last partial (tests/core/test_launch.py
-    checks the kernel choice); the op through autograd against the reference."""
-    x, w, b, g = draw(seed, (2, 16400), torch.bfloat16, device=device)
+@pytest.mark.parametrize("n_cols", [16400, 32800])
+def test_rows_over_16384_columns_through_autograd(n_cols, device, seed):
+    """16400 columns: the forward holds the row (a 32768-wide block at 16 warps, w and b loaded after the
+    reductions); 32800: it sweeps five 8192-column chunks, the last partial (tests/core/test_launch.py checks the
+    kernel choice). The op through autograd against the reference."""
+    x, w, b, g = draw(seed, (2, n_cols), torch.bfloat16, device=device)
     y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, w, b)
     y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)
     for got, want, name in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dw"), (db, db_ref, "db")):

@@ -87,11 +87,11 @@ def _norm_forward_kernel(family, n_cols, chunk=None, block_m=None):
     return _norm_forward_launch(family, n_cols, chunk, block_m).kernel.fn.__name__
 
 
-@pytest.mark.parametrize("family,held_up_to", [("rms_norm", 32768), ("layer_norm", 16384),
-                                               ("fused_add_rms_norm", 32768)])
-def test_norm_forwards_hold_rows_up_to_their_limit_and_chunk_wider_ones(family, held_up_to):
-    """LayerNorm's held row spilled from 32768 columns on, the RMSNorms' did not (ptxas, 16 warps); ``chunk``
-    overrides either way."""
+@pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+def test_norm_forwards_hold_rows_up_to_their_limit_and_chunk_wider_ones(family):
+    """bf16 rows are held up to 32768 columns (16 warps; LayerNorm loads w and b after its reductions there) and
+    swept in chunks past it; ``chunk`` overrides either way."""
+    held_up_to = 32768
     held, chunked = f"_{family}_forward_kernel", f"_{family}_chunked_forward_kernel"
     assert _norm_forward_kernel(family, held_up_to) == held
     assert _norm_forward_kernel(family, held_up_to + 1) == chunked
@@ -108,10 +108,11 @@ def test_norm_forwards_hold_rows_up_to_their_limit_and_chunk_wider_ones(family, 
 @pytest.mark.parametrize("family,dtypes", [
     ("rms_norm", ("float32", "float32", None)), ("rms_norm", ("bfloat16", "bfloat16", "float32")),
     ("fused_add_rms_norm", ("bfloat16", "float32", "bfloat16")),
-    ("fused_add_rms_norm", ("float16", "float16", "float32"))])
-def test_the_rms_norms_hold_rows_past_16384_columns_only_with_2_byte_operands(family, dtypes):
+    ("fused_add_rms_norm", ("float16", "float16", "float32")), ("layer_norm", ("float32", "float32", None)),
+    ("layer_norm", ("bfloat16", "bfloat16", "float32"))])
+def test_norms_hold_rows_past_16384_columns_only_with_2_byte_operands(family, dtypes):
     """An fp32 weight or residual spilled a held 32768-column row (ptxas, 16 warps: 28-144 bytes a thread), and an
-    fp32 x left no register spare: those rows go in chunks past 16384 columns, as LayerNorm's."""
+    fp32 x left no register spare: those rows go in chunks past 16384 columns."""
     assert _norm_forward_launch(family, 16384, dtypes=dtypes).kernel.fn.__name__ == f"_{family}_forward_kernel"
     wider = _norm_forward_launch(family, 16385, dtypes=dtypes).kernel.fn.__name__
     assert wider == f"_{family}_chunked_forward_kernel"
