@@ -9,7 +9,8 @@ bash scripts/gpu_check.sh script -c "print('installed')" || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 step() { local t=$1 name=$2; shift 2; echo "== $name"; timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^\s*$" | tail -60; }
 # s23: the RMSNorms hold rows up to 32768 columns (16 warps), chosen from s23's first sweep on an H100; LayerNorm's
-# held row loads w and b after its reductions past 16384 columns (no spills now): does it beat its chunked sweep?
+# held row loads w and b after its reductions past 16384 columns (no spills now) and, since s24, is LayerNorm's
+# default up to 32768 columns too (bf16): does it beat its chunked sweep? (If not, s24's commit is reverted.)
 step 100 tune_wide_fwd python3 scripts/tune_norm_forward.py --shapes 4096x32768 4096x20496 \
   --families layer_norm --match "^chunk=0|^chunk=(4096|8192) warps=(8|16)$" --out "$OUT/tune_wide_fwd.txt"
 step 150 bench bash scripts/gpu_check.sh bench --tag wide_fwd --kernels rms_norm fused_add_rms_norm layer_norm \
