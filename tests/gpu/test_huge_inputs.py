@@ -113,11 +113,11 @@ def test_rms_norm_jax_past_2_31_elements():
 
 
 # --------------------------------------------------------------------------------- wide norm forwards
-@pytest.mark.parametrize("width", [32768, 65536])  # held by the RMSNorms, chunked by LayerNorm; chunked by all
+@pytest.mark.parametrize("width", [32768, 65536])  # bf16 rows: held at 32768, chunked at 65536
 @pytest.mark.parametrize("family", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
 def test_wide_norm_forwards_past_2_31_elements(family, width):
-    """The forwards of rows over 16384 columns (chunked; the RMSNorms hold 32768-column rows) past 2**31
-    elements: every row written and finite, the rows around the boundary against the reference."""
+    """The forwards of rows over 16384 columns (held up to 32768, chunked past it) past 2**31 elements: every row
+    written and finite, the rows around the boundary against the reference."""
     from test_fused_add_rms_norm_torch import reference as fa_reference
     from test_layer_norm_torch import reference as ln_reference
 

@@ -67,11 +67,11 @@ def test_column_split_backward_parity(family, column_block, device, seed):
         assert_parity(as_numpy(t), np.asarray(j), name)
 
 
-@pytest.mark.parametrize("n_cols,chunk", [(32768, 8192), (65541, 16384)])
+@pytest.mark.parametrize("n_cols,chunk", [(32800, 8192), (65541, 16384)])
 def test_layer_norm_wide_default_forward_parity(n_cols, chunk, device, seed):
-    """LayerNorm's chunked forward at its default launch by width (layer_norm._CHUNKED_BY_WIDTH: 8192-column chunks
-    from 32768 columns, 16384 with prefetch from 65536, here with a 5-column partial last chunk) through both
-    launchers, bit for bit."""
+    """LayerNorm's chunked forward at its default launch by width past its held rows (layer_norm._CHUNKED_BY_WIDTH:
+    8192-column chunks from 32768 columns, 16384 with prefetch from 65536, here with a 32- and a 5-column partial
+    last chunk) through both launchers, bit for bit."""
     from liger_core import layer_norm
     from liger_core.launch import ArrayInfo
     from liger_jax._launch import run_plan as run_jax
@@ -93,7 +93,7 @@ def test_layer_norm_wide_default_forward_parity(n_cols, chunk, device, seed):
 @pytest.mark.parametrize("family", NORM_FAMILIES)
 def test_held_row_past_16384_columns_parity(family, device, seed):
     """A held 16400-column row (a 32768-wide block at 16 warps; LayerNorm's w and b loaded after the reductions,
-    the RMSNorms' default there, LayerNorm's with ``chunk=0``) through both launchers, bit for bit."""
+    each family's default there for bf16 rows) through both launchers, bit for bit."""
     from liger_core.launch import ArrayInfo
     from liger_jax._launch import run_plan as run_jax
     from liger_torch._launch import run_plan as run_torch
