@@ -3,8 +3,9 @@
 Numerics (those of ``torch.nn.LayerNorm`` and ``flax.nnx.LayerNorm``): the statistics and the affine map are
 computed in fp32 and the output is rounded once, to the output dtype. The variance is the two-pass
 ``mean((x - mean)^2)`` of the row held in registers (never negative, no cancellation), with the mean refined
-once by the mean of the centered row. Rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in column chunks
-instead, twice: Welford's running moments of x less its first value, then y.
+once by the mean of the centered row. Rows over ``rowwise.MAX_HELD_COLUMNS`` (32768 when x, w and b are 2-byte:
+``rowwise.held_rows_for``) are swept in column chunks instead, twice: Welford's running moments of x less its
+first value, then y.
 
 Forward saves mean and rstd (fp32, one per row). Backward: one pass per row block gives dx (optionally written
 over dy) and per-program fp32 partial sums of dw and db, each reduced in a fixed order by
