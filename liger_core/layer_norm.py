@@ -3,9 +3,9 @@
 Numerics (those of ``torch.nn.LayerNorm`` and ``flax.nnx.LayerNorm``): the statistics and the affine map are
 computed in fp32 and the output is rounded once, to the output dtype. The variance is the two-pass
 ``mean((x - mean)^2)`` of the row held in registers (never negative, no cancellation), with the mean refined
-once by the mean of the centered row. Rows over ``rowwise.MAX_HELD_COLUMNS`` (32768 when x, w and b are 2-byte:
-``rowwise.held_rows_for``) are swept in column chunks instead, twice: Welford's running moments of x less its
-first value, then y.
+once by the mean of the centered row. Rows over ``rowwise.MAX_HELD_COLUMNS`` are swept in column chunks instead
+(but 28672 to 32768 columns are held when x, w and b are 2-byte: ``_CHUNKED_BY_WIDTH``), twice: Welford's running
+moments of x less its first value, then y.
 
 Forward saves mean and rstd (fp32, one per row). Backward: one pass per row block gives dx (optionally written
 over dy) and per-program fp32 partial sums of dw and db, each reduced in a fixed order by
@@ -45,17 +45,19 @@ _FORWARD_TILE = 4096
 # 16384 x 16384 0.314 ms two rows a program against 0.451 one (RMSNorm, 122 registers, two programs an SM: 0.259);
 # benchmarks/results/h200-2026-12-06-tune_wide_fwd.txt.
 _WIDE_FORWARD_TILE = 32768
-# The chunked forward (rows over rowwise.MAX_HELD_COLUMNS), by width, widest first: (from columns, launch). Since
-# the nineteenth session's whole chunks and plain-sum moments (fewer instructions an element) long chunks win on
-# wide rows, but a partial last chunk of 16384 wastes too much on narrower ones. H100 bf16 (benchmarks/results/
-# h100-2026-12-07-tune_rows_fwd.txt, -tune_ln_fwd.txt): 4096 x 65536 0.433 ms at 16384 x 16 warps with prefetch
-# against 0.514-0.520 at 4096 x 8 (twice); 4096 x 32768 0.205 at 8192 x 16 without, against 0.239 at 4096 x 8 and
-# 0.245 at 16384 x 16; 4096 x 20496 0.137-0.140 at 4096, against 0.161 at 8192 and 0.222 at 16384. (The H200
-# chose 4096 x 8 before those changes: 0.412 against 0.437 at 8192 x 16, h200-2026-12-06-tune_wide_fwd.txt.)
+# The forward past rowwise.MAX_HELD_COLUMNS, by width, widest first: (from columns, launch). bf16 rows from 28672
+# to 32768 columns are held (16 warps, w and b loaded after the reductions; with 4-byte operands they spill and go
+# in chunks: rowwise.held_rows_for); narrower ones would pad their block by up to 40% and lose to chunks. H100 bf16
+# (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_ln_held_s24.txt): 4096 x 32768 held 0.196 ms against 0.205 at
+# 8192 x 16; 28672 held 0.187 against 0.204; 24576 (whole 8192-column chunks) 0.153 at 8192 x 16 against 0.173
+# held and 0.167 at 4096 x 16; 20496 0.137 at 4096 x 16 against 0.154 at 4096 x 8 and 0.163 held. Wider rows
+# (h100-2026-12-07-tune_rows_fwd.txt, -tune_ln_fwd.txt): 4096 x 65536 0.433 at 16384 x 16 with prefetch against
+# 0.514-0.520 at 4096 x 8; over 32768 columns 8192 x 16 without.
 _CHUNKED_BY_WIDTH = (
     (65536, ChunkedSweep(chunk=16384, num_warps=16, prefetch=True)),
-    (32768, ChunkedSweep(chunk=8192, num_warps=16, prefetch=False, held_up_to=32768)),
-    (0, ChunkedSweep(chunk=4096, num_warps=8, prefetch=False, held_up_to=32768)),
+    (28672, ChunkedSweep(chunk=8192, num_warps=16, prefetch=False, held_up_to=32768)),
+    (24576, ChunkedSweep(chunk=8192, num_warps=16, prefetch=False)),
+    (0, ChunkedSweep(chunk=4096, num_warps=16, prefetch=False)),
 )
 _BACKWARD_TILE = 8192
 _BACKWARD_PROGRAMS_PER_SM = 1

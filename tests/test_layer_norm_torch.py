@@ -328,21 +328,24 @@ def test_chunked_forward_against_reference(shape, chunk, params, dtype, device, 
     assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
 
-@pytest.mark.parametrize("n_cols,chunk,warps,prefetch", [(20496, 4096, 8, False), (32768, 8192, 16, False),
-                                                         (65541, 16384, 16, True)])
-def test_default_chunked_launch_by_width(n_cols, chunk, warps, prefetch, device, seed):
-    """Past 16384 columns (fp32 rows: held only to 16384, rowwise.held_rows_for) the forward's chunk grows with
-    the row (layer_norm._CHUNKED_BY_WIDTH); each default is right on its own width, the widest with a 5-column
-    partial last chunk."""
+@pytest.mark.parametrize("n_cols,dtype,chunk,warps,prefetch", [
+    (20496, torch.bfloat16, 4096, 16, False), (24576, torch.bfloat16, 8192, 16, False),
+    (28672, torch.bfloat16, 0, 16, False), (32768, torch.float32, 8192, 16, False),
+    (65541, torch.float32, 16384, 16, True)])
+def test_default_launch_by_width(n_cols, dtype, chunk, warps, prefetch, device, seed):
+    """Past 16384 columns the forward's launch follows the row's width (layer_norm._CHUNKED_BY_WIDTH): chunks that
+    grow with the row, bf16 rows of 28672-32768 columns held (``chunk`` 0; an fp32 row of 32768 goes in chunks:
+    rowwise.held_rows_for), the widest with a 5-column partial last chunk. Each default is right on its width."""
     from liger_core import layer_norm as core
     from liger_torch._launch import info, run_plan
 
-    x, w, b, _ = draw(seed, (2, n_cols), torch.float32, device=device)
+    x, w, b, _ = draw(seed, (2, n_cols), dtype, device=device)
     plan = core.forward_plan(info(x), info(w), info(b), eps=1e-5)
     (launch,) = plan.launches
-    assert (launch.constexprs["CHUNK"], launch.num_warps, launch.constexprs["PREFETCH"]) == (chunk, warps, prefetch)
+    assert (launch.constexprs.get("CHUNK", 0), launch.num_warps) == (chunk, warps)
+    assert launch.constexprs.get("PREFETCH", False) == prefetch
     y, mean, rstd = run_plan(plan, x=x, weight=w, bias=b)
-    assert_close(y, reference(x, w, b, 1e-5), torch.float32, "y")
+    assert_close(y, reference(x, w, b, 1e-5), dtype, "y")
     assert_close(rstd, (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
 
@@ -386,11 +389,11 @@ def test_chunked_forward_several_rows_a_program(shape, chunk, rows, device, seed
     assert_close(mean, xd.mean(-1), torch.float32, "mean")
     assert_close(rstd, (xd.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32, "rstd")
 
-@pytest.mark.parametrize("n_cols", [16400, 32800])
+@pytest.mark.parametrize("n_cols", [16400, 28680, 32800])
 def test_rows_over_16384_columns_through_autograd(n_cols, device, seed):
-    """16400 columns: the forward holds the row (a 32768-wide block at 16 warps, w and b loaded after the
-    reductions); 32800: it sweeps five 8192-column chunks, the last partial (tests/core/test_launch.py checks the
-    kernel choice). The op through autograd against the reference."""
+    """16400 columns: the forward sweeps five 4096-column chunks, the last partial; 28680: it holds the row (a
+    32768-wide block at 16 warps, w and b loaded after the reductions); 32800: five 8192-column chunks, the last
+    partial (test_default_launch_by_width checks the launches). The op through autograd against the reference."""
     x, w, b, g = draw(seed, (2, n_cols), torch.bfloat16, device=device)
     y, dx, dw, db = grads_of(lambda a, c, d: liger_torch.layer_norm(a, c, d), g.clone(), x, w, b)
     y_ref, dx_ref, dw_ref, db_ref = grads_of(lambda a, c, d: reference(a, c, d, 1e-5), g.double(), x, w, b)

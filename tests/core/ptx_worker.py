@@ -45,7 +45,7 @@ def norm_forward_cases(x, w, families=NORM_FAMILIES, label="", **overrides):
     return cases
 
 
-DEFAULT_FORWARD_WIDTHS = (16384, 20496, 32768, 65536)
+DEFAULT_FORWARD_WIDTHS = (16384, 20496, 24576, 28672, 32768, 65536)
 DEFAULT_FORWARD_DTYPES = (("bfloat16", "bfloat16"), ("bfloat16", "float32"))  # x's (and the residual's), w's
 
 
@@ -122,8 +122,8 @@ def cases():
         # whole chunks at 65536, a partial last chunk (the masked sweeps) at 20496 (4096-column chunks: the RMSNorms
         # hold such rows by default)
         **norm_forward_cases(widest, widest_w), **norm_forward_cases(ragged, ragged_w, chunk=4096),
-        # the RMSNorms hold rows up to 32768 columns (16 warps)
-        **norm_forward_cases(held, held_w, ("rms_norm", "fused_add_rms_norm"), " (held)"),
+        # bf16 rows up to 32768 columns held (16 warps; LayerNorm's from 28672)
+        **norm_forward_cases(held, held_w, label=" (held)"),
         **default_forward_cases(),
         # rows over 16384 columns: the backward's row sums, then 4096-column blocks (a whole-row tile spilled)
         "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132),

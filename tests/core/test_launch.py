@@ -105,6 +105,14 @@ def test_norm_forwards_hold_rows_up_to_their_limit_and_chunk_wider_ones(family):
             _norm_forward_kernel(family, 64, chunk=16, block_m=block_m)
 
 
+@pytest.mark.parametrize("n_cols,kernel", [(16384, "forward"), (16385, "chunked_forward"), (28671, "chunked_forward"),
+                                           (28672, "forward"), (32768, "forward"), (32769, "chunked_forward")])
+def test_layer_norm_holds_rows_past_16384_columns_only_from_28672(n_cols, kernel):
+    """Narrower rows would pad a 32768-wide held block by up to 40%: chunks won there (H100, 4096 x 20496 and
+    24576), the held row from 28672 columns (layer_norm._CHUNKED_BY_WIDTH)."""
+    assert _norm_forward_kernel("layer_norm", n_cols) == f"_layer_norm_{kernel}_kernel"
+
+
 @pytest.mark.parametrize("family,dtypes", [
     ("rms_norm", ("float32", "float32", None)), ("rms_norm", ("bfloat16", "bfloat16", "float32")),
     ("fused_add_rms_norm", ("bfloat16", "float32", "bfloat16")),

@@ -113,13 +113,14 @@ def test_wide_norm_backwards_reload_instead_of_spilling(tmp_path):
 
 WIDE_FORWARDS = {f"{family} forward, {n} columns" for family in ("rms_norm", "layer_norm", "fused_add_rms_norm")
                  for n in (65536, 20496)}  # whole chunks (no column masks), and a partial last chunk
-WIDE_FORWARDS |= {"rms_norm forward, 32768 columns (held)", "fused_add_rms_norm forward, 32768 columns (held)"}
+WIDE_FORWARDS |= {f"{family} forward, 32768 columns (held)"
+                  for family in ("rms_norm", "layer_norm", "fused_add_rms_norm")}
 
 
 def test_wide_norm_forwards_sweep_in_chunks_without_spilling(tmp_path):
     """Past their held_up_to the norm forwards sweep each row in column chunks, twice, instead of holding it
     (a 65536-column row held at 8 warps spilled 3.0 / 5.8 / 6.2 KB a thread in RMSNorm / LayerNorm / fused
-    add+RMSNorm); the RMSNorms hold rows up to 32768 columns at 16 warps: no spills, 16-byte accesses
+    add+RMSNorm); bf16 rows up to 32768 columns are held at 16 warps: no spills, 16-byte accesses
     (LayerNorm: plus one 2-byte load, the row's first value, its shift)."""
     rows = [r for r in compile_all(tmp_path, *sorted(WIDE_FORWARDS), "--report") if r["case"] in WIDE_FORWARDS]
     assert {r["case"] for r in rows} == WIDE_FORWARDS
@@ -135,7 +136,7 @@ def test_default_norm_forwards_do_not_spill_around_their_held_limits(tmp_path):
     held 16384-column row with an fp32 weight (196 bytes; not measured, docs/perf-log.md s23)."""
     # the worker's default_forward_cases (not imported here: importing the worker turns the interpreter off)
     names = {f"{family} forward, {n} columns, weight {w}" for family in ("rms_norm", "layer_norm", "fused_add_rms_norm")
-             for n in (16384, 20496, 32768, 65536) for w in ("bfloat16", "float32")}
+             for n in (16384, 20496, 24576, 28672, 32768, 65536) for w in ("bfloat16", "float32")}
     rows = [r for r in compile_all(tmp_path, *sorted(names), "--report") if r["case"] in names]
     assert {r["case"] for r in rows} == names
     known = {"layer_norm forward, 16384 columns, weight float32": 196}

@@ -93,7 +93,8 @@ def test_layer_norm_wide_default_forward_parity(n_cols, chunk, device, seed):
 @pytest.mark.parametrize("family", NORM_FAMILIES)
 def test_held_row_past_16384_columns_parity(family, device, seed):
     """A held 16400-column row (a 32768-wide block at 16 warps; LayerNorm's w and b loaded after the reductions,
-    each family's default there for bf16 rows) through both launchers, bit for bit."""
+    the RMSNorms' default there; LayerNorm holds bf16 rows by default from 28672 columns) through both launchers,
+    bit for bit."""
     from liger_core.launch import ArrayInfo
     from liger_jax._launch import run_plan as run_jax
     from liger_torch._launch import run_plan as run_torch
