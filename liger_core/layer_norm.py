@@ -377,8 +377,9 @@ def forward_plan(x: ArrayInfo, weight: ArrayInfo | None, bias: ArrayInfo | None,
 
     ``out_dtype`` is y's dtype (default: x's, as in torch). ``weight_name`` / ``bias_name`` name the parameters
     as the caller's API does, for error messages (``eps_name`` the epsilon). Rows wider than
-    ``rowwise.MAX_HELD_COLUMNS`` are swept in chunks (``chunk``, ``prefetch``, ``full_chunks``, ``block_m`` and
-    ``num_warps`` override the launch: :func:`liger_core.rowwise.forward_chunk`, :func:`~.rowwise.full_chunks`)."""
+    ``rowwise.MAX_HELD_COLUMNS`` (but for 2-byte rows of 28672-32768 columns) are swept in chunks (``chunk``,
+    ``prefetch``, ``full_chunks``, ``block_m`` and ``num_warps`` override the launch:
+    :func:`liger_core.rowwise.forward_chunk`, :func:`~.rowwise.full_chunks`)."""
     _check_inputs(x, weight, bias, weight_name, bias_name)
     check_eps(eps, eps_name)
     y_dtype = x.dtype if out_dtype is None else out_dtype

@@ -7,9 +7,8 @@ the sweep says whether small inputs want another configuration.
     python3 scripts/tune_norm_forward.py [--shapes 4096x4096 16384x4096 65536x4096] [--timer graph|bench]
         [--families rms_norm ...] [--match REGEX] [--out FILE]
 
-Past their held_up_to (16384 columns for LayerNorm, 32768 for the RMSNorms) the forwards sweep each row in
-chunks (``liger_core.rowwise.forward_chunk``); from 8192
-columns the sweep tries chunk widths x warps beside the held rows (e.g. ``--shapes 16384x16384 4096x32768
+Past their held_up_to (2-byte rows: 32768 columns; LayerNorm holds them only from 28672; 16384 otherwise) the
+forwards sweep each row in chunks (``liger_core.rowwise.forward_chunk``); from 8192 columns the sweep tries chunk widths x warps beside the held rows (e.g. ``--shapes 16384x16384 4096x32768
 4096x65536``).
 
 ``--timer bench`` times each configuration as the benchmark suite does (CUDA events, L2 flushed before each
