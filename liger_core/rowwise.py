@@ -33,11 +33,11 @@ def tile(n_cols: int, n_rows: int, elements: int) -> tuple[int, int]:
 
 
 # Rows wider than MAX_HELD_COLUMNS are swept by the backwards, and by the forwards past their held_up_to, in
-# column chunks instead of held in registers: a held row spilled from 32768 columns (LayerNorm's forward at 8 warps, 148 bytes a
-# thread; 92 at 16 warps) and by kilobytes at 65536 in all three (a 65536-column fp32 row is a whole SM's register
-# file; sm_90 ptxas). No LLM is wider than 16384 (Llama-3-405B), so the held-row kernels serve every model's
-# hidden size. With 2-byte operands the RMSNorm forwards hold rows up to 32768 columns, LayerNorm's from 28672 to
-# 32768 (ChunkedSweep.held_up_to, held_rows_for; 16 warps there).
+# column chunks instead of held in registers: a held row spilled from 32768 columns (LayerNorm's forward at 8
+# warps, 148 bytes a thread; 92 at 16 warps) and by kilobytes at 65536 in all three (a 65536-column fp32 row is a
+# whole SM's register file; sm_90 ptxas). No LLM is wider than 16384 (Llama-3-405B), so the held-row kernels serve
+# every model's hidden size. With 2-byte operands the RMSNorm forwards hold rows up to 32768 columns, LayerNorm's
+# from 28672 to 32768 (ChunkedSweep.held_up_to, held_rows_for; 16 warps there).
 MAX_HELD_COLUMNS = 16384
 
 

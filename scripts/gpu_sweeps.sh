@@ -20,7 +20,8 @@ fi
 step 150 ln_width bash scripts/gpu_check.sh bench --tag ln_width_s24 --kernels layer_norm \
   --match "fwd 4096x(20496|32768) (liger_torch|liger_kernel|torch_compile)$"
 step 120 ln_tests python3 -m pytest -q -p no:cacheprovider tests/test_layer_norm_torch.py \
-  tests/parity/test_chunked_forward_parity.py tests/gpu/test_huge_inputs.py::test_wide_norm_forwards_past_2_31_elements \
+  tests/parity/test_chunked_forward_parity.py \
+  tests/gpu/test_huge_inputs.py::test_wide_norm_forwards_past_2_31_elements \
   -k "by_width or 16384_columns or held or wide_norm"
 # On an H200, with what is left of the call: one fwd+bwd point per memory-bound kernel against the peers.
 if [ "$h200" -gt 0 ]; then

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 BENCH_TIME_LIMIT=${BENCH_TIME_LIMIT:-420} bash scripts/gpu_check.sh bench --tag refresh \
   --kernels rms_norm layer_norm fused_add_rms_norm rope swiglu cross_entropy kl_div jsd \
   --match "^((rms_norm|layer_norm|fused_add_rms_norm) fwd\+bwd 65536x4096|(cross_entropy|kl_div|jsd) fwd\+bwd \
-8192x128256|rope fwd\+bwd B1 T65536 H32/8 D128|swiglu fwd\+bwd 32768x14336) (liger_torch|liger_kernel|torch_compile|xla)$"
+8192x128256|rope fwd\+bwd B1 T65536 H32/8 D128|swiglu fwd\+bwd 32768x14336) \
+(liger_torch|liger_kernel|torch_compile|xla)$"

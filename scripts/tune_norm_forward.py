@@ -8,8 +8,8 @@ the sweep says whether small inputs want another configuration.
         [--families rms_norm ...] [--match REGEX] [--out FILE]
 
 Past their held_up_to (2-byte rows: 32768 columns; LayerNorm holds them only from 28672; 16384 otherwise) the
-forwards sweep each row in chunks (``liger_core.rowwise.forward_chunk``); from 8192 columns the sweep tries chunk widths x warps beside the held rows (e.g. ``--shapes 16384x16384 4096x32768
-4096x65536``).
+forwards sweep each row in chunks (``liger_core.rowwise.forward_chunk``); from 8192 columns the sweep tries
+chunk widths x warps beside the held rows (e.g. ``--shapes 16384x16384 4096x32768 4096x65536``).
 
 ``--timer bench`` times each configuration as the benchmark suite does (CUDA events, L2 flushed before each
 repetition, the host kept ahead) instead of CUDA-graph replays, and adds Liger-Kernel's forward (when installed)
