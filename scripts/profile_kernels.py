@@ -72,8 +72,9 @@ def print_table(label, times):
         print(f"{us:10.1f} us {calls:6.1f}x  {name[:110]}")
 
 
-def hlo_summary(run):
-    """The optimized HLO's copies and custom calls of a jax runner's program."""
+def hlo_summary(run, fusions=False):
+    """The optimized HLO's copies and custom calls of a jax runner's program; with ``fusions`` also the entry
+    computation's fusions (their output shapes and operands: which tensors each XLA kernel reads and writes)."""
     compiled = getattr(run, "compiled", None)
     if compiled is None:
         return
@@ -81,6 +82,13 @@ def hlo_summary(run):
     for line in text.splitlines():
         if re.search(r"\b(copy|custom-call|copy-start|dynamic-update-slice)\(", line):
             print("   ", line.strip()[:200])
+    if fusions:
+        entry = text[text.find("\nENTRY"):]
+        for line in entry.splitlines()[1:]:
+            if line.startswith("}"):
+                break
+            if re.search(r"\bfusion\(", line):
+                print("   ", re.sub(r", metadata=.*", "", line.strip())[:300])
 
 
 def main():
@@ -88,6 +96,7 @@ def main():
     parser.add_argument("--kernel", required=True, help="a benchmarks/bench_<kernel>.py module")
     parser.add_argument("--match", required=True, help="regex over the case label 'kernel pass shape provider'")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--fusions", action="store_true", help="list a jax program's fusions too")
     parser.add_argument("--plain", action="store_true",
                         help="only run the steps, without torch.profiler (to run under ncu, which needs CUPTI)")
     args = parser.parse_args()
@@ -106,7 +115,7 @@ def main():
         for attr in ("donated", "copy_bytes", "calls_per_run"):
             if hasattr(run, attr):
                 print(f"   {attr}: {getattr(run, attr)}")
-        hlo_summary(run)
+        hlo_summary(run, args.fusions)
         del run
 
 
