@@ -414,7 +414,11 @@ def _header(results: dict) -> list[str]:
     else:
         timing = "host clock, one to three repetitions (a smoke run: it tests the code path, not the kernels)."
     lines += [f"Method: {timing} Fresh random inputs (never zeros). Memory: peak allocated above the inputs. A "
-              "provider that fails at a point is shown as OOM / error / n/a (not installed) / skipped.", ""]
+              "provider that fails at a point is shown as OOM / error / n/a (not installed) / skipped. A jax "
+              "fwd+bwd is one program of the forward and its vjp with the incoming gradient as an argument, so "
+              "XLA may fuse across the two (a norm's forward with its backward's row sums; SwiGLU's forward "
+              "output recomputed, not written), which a layer inside a model cannot: there XLA can pass the "
+              "floor, which counts the tensors of the two passes run apart.", ""]
     return lines
 
 
