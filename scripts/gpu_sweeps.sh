@@ -2,7 +2,7 @@
 # The open tuning sweeps in one device call, most telling first (docs/perf-notes.md, "Open predictions"). Each
 # step has its own time limit and tees its lines into $OUT as they come, so a call cut short by the device's
 # limit still brings back what it measured. Defaults change only after these tables are read.
-#   scripts/gpu_sweeps.sh            (on an H200 about 7 minutes with installation)
+#   scripts/gpu_sweeps.sh            (on an H200 about 5 minutes with installation)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/liger-out}
 # s25 measured what an H100 can tell (LayerNorm's launches by width, the peers' refresh, XLA's RMSNorm kernels):
@@ -18,4 +18,4 @@ step 120 h200_open bash scripts/gpu_check.sh bench --tag h200_open --kernels cro
   --match "(fwd\+bwd 8192x128256 |fwd 4096x65536 )(liger_torch|liger_kernel|torch_compile)$"
 # With what is left of the call: one fwd+bwd point per memory-bound kernel against the peers (s25 ran it on an
 # H100).
-BENCH_TIME_LIMIT=240 step 300 refresh bash scripts/h200_refresh.sh
+BENCH_TIME_LIMIT=150 step 200 refresh bash scripts/h200_refresh.sh
