@@ -120,10 +120,12 @@ def test_layer_norm_holds_rows_past_16384_columns_only_from_28672(n_cols, kernel
     ("layer_norm", ("bfloat16", "bfloat16", "float32"))])
 def test_norms_hold_rows_past_16384_columns_only_with_2_byte_operands(family, dtypes):
     """An fp32 weight or residual spilled a held 32768-column row (ptxas, 16 warps: 28-144 bytes a thread), and an
-    fp32 x left no register spare: those rows go in chunks past 16384 columns."""
+    fp32 x left no register spare: those rows go in chunks past 16384 columns, also at 32768 (where every family
+    holds 2-byte rows; LayerNorm chunks 16385 columns whatever the dtypes)."""
     assert _norm_forward_launch(family, 16384, dtypes=dtypes).kernel.fn.__name__ == f"_{family}_forward_kernel"
-    wider = _norm_forward_launch(family, 16385, dtypes=dtypes).kernel.fn.__name__
-    assert wider == f"_{family}_chunked_forward_kernel"
+    for n_cols in (16385, 32768):
+        wider = _norm_forward_launch(family, n_cols, dtypes=dtypes).kernel.fn.__name__
+        assert wider == f"_{family}_chunked_forward_kernel", n_cols
     half = tuple(None if d is None else "float16" for d in dtypes)
     assert _norm_forward_launch(family, 32768, dtypes=half).kernel.fn.__name__ == f"_{family}_forward_kernel"
 
