@@ -5,13 +5,15 @@
 #   scripts/gpu_sweeps.sh            (on an H200 about 5 minutes with installation)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/liger-out}
-# s25 measured what an H100 can tell (LayerNorm's launches by width, the peers' refresh, XLA's RMSNorm kernels):
-# what is left needs an H200, and on another card the call ends before installing anything.
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 \
-  || { echo "not an H200: nothing left to measure here"; exit 0; }
 bash scripts/gpu_check.sh script -c "print('installed')" || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 step() { local t=$1 name=$2; shift 2; echo "== $name"; timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^\s*$" | tail -60; }
+# s26, on either card (an A/B against the library kernel on the same card): the lagged job order's second read
+# from L2, for cross-entropy and for the wide-row RMSNorm backward.
+step 170 tune_ce_lagged python3 scripts/tune_ce_lagged.py --out "$OUT/tune_ce_lagged.txt"
+step 130 tune_norm_lagged python3 scripts/tune_norm_lagged.py --out "$OUT/tune_norm_lagged.txt"
+# What is left of s21-s25's list needs an H200.
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 0
 # The open predictions (no H200 came in s21-s25): CE 8192x128256 fwd+bwd ~1.20-1.25 ms, LayerNorm 4096x65536
 # fwd ~0.33.
 step 120 h200_open bash scripts/gpu_check.sh bench --tag h200_open --kernels cross_entropy layer_norm \
