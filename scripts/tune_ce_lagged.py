@@ -106,19 +106,26 @@ def reference(x, target, ignore_index=-100, scale=1.0):
     return loss.detach(), xf.grad
 
 
+CHECK_CASES = [(7, 123, 32, 2, True, False), (5, 1000, 256, 0, False, True), (1, 77, 128, 3, True, True),
+               (9, 300, 64, 1, True, False)]  # (rows, vocab, segment, lag, ticket, in place)
+
+
+def check_case(n, v, seg, lag, ticket, in_place, device="cpu"):
+    """The probe against fp64 torch on one odd shape, a row ignored (in the interpreter on the CPU)."""
+    x = (torch.randn(n, v, device=device) * 3).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), device=device)
+    target[n // 2] = -100
+    ref_loss, ref_grad = reference(x.float(), target, scale=0.5)
+    loss, grad = lagged_ce(x.clone(), target, seg=seg, lag=lag, block=32, warps=4, ticket=ticket,
+                           in_place=in_place, scale=0.5)
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=2e-3, rtol=2e-2)
+
+
 def check():
-    """Interpreter check on small odd shapes (run with TRITON_INTERPRET=1 on the CPU)."""
     torch.manual_seed(0)
-    for n, v, seg, lag, ticket, in_place in [(7, 123, 32, 2, True, False), (5, 1000, 256, 0, False, True),
-                                             (1, 77, 128, 3, True, True), (9, 300, 64, 1, True, False)]:
-        x = (torch.randn(n, v) * 3).to(torch.bfloat16)
-        target = torch.randint(0, v, (n,))
-        target[n // 2] = -100
-        ref_loss, ref_grad = reference(x.float(), target, scale=0.5)
-        loss, grad = lagged_ce(x.clone(), target, seg=seg, lag=lag, block=32, warps=4, ticket=ticket,
-                               in_place=in_place, scale=0.5)
-        torch.testing.assert_close(loss.double(), ref_loss, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(grad.double(), ref_grad, atol=2e-3, rtol=2e-2)
+    for case in CHECK_CASES:
+        check_case(*case)
     print("ok")
 
 

@@ -133,17 +133,23 @@ def reference(dy, x, weight, rstd):
     return dx, (dy.double() * normed.to(x.dtype).double()).sum(0)
 
 
+CHECK_CASES = [(7, 123, 4, 2, 32, 1, True), (9, 300, 8, 4, 64, 0, False), (1, 77, 2, 2, 128, 3, True),
+               (13, 1000, 4, 4, 256, 2, True)]  # (rows, columns, R, RB, segment, lag, ticket)
+
+
+def check_case(n, n_cols, r, rb, seg, lag, ticket, device="cpu"):
+    """The probe against the fp64 formula on one odd shape (in the interpreter on the CPU)."""
+    dy, x, weight, rstd = _inputs(n, n_cols, device)
+    ref_dx, ref_dw = reference(dy, x, weight, rstd)
+    dx, dw = lagged_rms_backward(dy.clone(), x, weight, rstd, r=r, rb=rb, seg=seg, lag=lag, warps=4, ticket=ticket)
+    torch.testing.assert_close(dx.double(), ref_dx, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(dw.double(), ref_dw, atol=5e-2, rtol=2e-2)
+
+
 def check():
-    """Interpreter check on small odd shapes (run with TRITON_INTERPRET=1 on the CPU)."""
     torch.manual_seed(0)
-    for n, n_cols, r, rb, seg, lag, ticket in [(7, 123, 4, 2, 32, 1, True), (9, 300, 8, 4, 64, 0, False),
-                                               (1, 77, 2, 2, 128, 3, True), (13, 1000, 4, 4, 256, 2, True)]:
-        dy, x, weight, rstd = _inputs(n, n_cols, "cpu")
-        ref_dx, ref_dw = reference(dy, x, weight, rstd)
-        dx, dw = lagged_rms_backward(dy.clone(), x, weight, rstd, r=r, rb=rb, seg=seg, lag=lag, warps=4,
-                                     ticket=ticket)
-        torch.testing.assert_close(dx.double(), ref_dx, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(dw.double(), ref_dw, atol=5e-2, rtol=2e-2)
+    for case in CHECK_CASES:
+        check_case(*case)
     print("ok")
 
 
