@@ -158,10 +158,10 @@ def sweep(n, v, out):
 
 
 # (segment columns, lag rows, block, warps, ticket, in place), most telling first
-CONFIGS = [(16384, 32, 4096, 8, True, True), (8192, 32, 4096, 8, True, True), (16384, 32, 4096, 8, True, False),
-           (16384, 32, 4096, 8, False, False), (16384, 8, 4096, 8, True, True), (16384, 96, 4096, 8, True, True),
-           (8192, 64, 2048, 4, True, True), (32768, 32, 4096, 8, True, True), (8192, 8, 4096, 8, True, True),
-           (16384, 32, 2048, 4, True, True), (4096, 64, 2048, 4, True, True), (8192, 128, 4096, 8, True, True)]
+CONFIGS = [(8192, 64, 2048, 4, True, True), (8192, 128, 2048, 4, True, True), (8192, 32, 2048, 4, True, True),
+           (8192, 64, 1024, 2, True, True), (4096, 128, 1024, 2, True, True), (8192, 64, 2048, 4, False, False),
+           (8192, 256, 2048, 4, True, True), (16384, 64, 2048, 4, True, True), (8192, 64, 1024, 4, True, True),
+           (4096, 256, 2048, 4, True, True), (16384, 128, 2048, 4, True, True), (8192, 64, 2048, 4, True, False)]
 COPY_GBPS = float(os.environ.get("COPY_GBPS", "3054"))  # the H100's copy rate of s25 (4277 on the H200)
 
 
