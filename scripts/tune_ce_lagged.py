@@ -33,7 +33,7 @@ def _ce_lagged_kernel(
     X, x_row_stride, T, n_rows, n_cols, ignore_index, scale,
     LOSS, GRAD, grad_row_stride, SYNC, PARTS,
     SEG: tl.constexpr, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr, LAG: tl.constexpr, BLOCK: tl.constexpr,
-    TICKET: tl.constexpr,
+    TICKET: tl.constexpr, EVICT: tl.constexpr = "", REREAD_EVICT: tl.constexpr = "",
 ):
     if TICKET:
         job = tl.atomic_add(SYNC, 1, sem="relaxed").to(tl.int64)
@@ -52,7 +52,7 @@ def _ce_lagged_kernel(
     parts = PARTS + row * (N_SEG + 1)
     if kind < N_SEG:  # statistics job (an ignored row has none to publish: its gradient jobs do not wait)
         if t != ignore_index:
-            lse_seg, _, _, _ = row_softmax_stats(x_seg, 1, seg_cols, 1.0, 1.0, X, 0, BLOCK, False, False, False, "")
+            lse_seg, _, _, _ = row_softmax_stats(x_seg, 1, seg_cols, 1.0, 1.0, X, 0, BLOCK, False, False, False, EVICT)
             tl.store(parts + seg, lse_seg)
             if (t >= start) & (t < start + seg_cols):  # the target's logit, before a gradient job writes over it
                 tl.store(parts + N_SEG, tl.load(x_seg + (t - start)).to(tl.float32))
@@ -61,7 +61,8 @@ def _ce_lagged_kernel(
     else:  # gradient job
         grad_seg = GRAD + row * grad_row_stride + start
         offsets = tl.arange(0, BLOCK)
-        x_next = tl.load(x_seg + offsets, mask=offsets < seg_cols, other=0.0)  # in flight through the wait
+        x_next = tl.load(x_seg + offsets, mask=offsets < seg_cols, other=0.0,  # in flight through the wait
+                         eviction_policy=REREAD_EVICT)
         ignored = t == ignore_index
         lse = tl.full([], 0.0, tl.float32)
         if t != ignore_index:
@@ -80,11 +81,13 @@ def _ce_lagged_kernel(
             cols = b + offsets
             mask = cols < seg_cols
             x = x_next.to(tl.float32)
-            x_next = tl.load(x_seg + cols + BLOCK, mask=cols + BLOCK < seg_cols, other=0.0)
+            x_next = tl.load(x_seg + cols + BLOCK, mask=cols + BLOCK < seg_cols, other=0.0,
+                             eviction_policy=REREAD_EVICT)
             grad = (exp_ftz(x - lse) - tl.where(cols + start == t, 1.0, 0.0)) * row_scale
             tl.store(grad_seg + cols, cast(grad, GRAD.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
-def lagged_ce(x, target, *, seg, lag, block, warps, ticket=True, in_place=False, ignore_index=-100, scale=1.0):
+def lagged_ce(x, target, *, seg, lag, block, warps, ticket=True, in_place=False, ignore_index=-100, scale=1.0,
+              evict="", reread_evict=""):
     """(loss per row fp32, gradient) of the probe kernel; x (n, V) contiguous."""
     n, v = x.shape
     n_seg = triton.cdiv(v, seg)
@@ -95,7 +98,8 @@ def lagged_ce(x, target, *, seg, lag, block, warps, ticket=True, in_place=False,
     grid = ((n + lag) * 2 * n_seg,)
     _ce_lagged_kernel[grid](x, x.stride(0), target, n, v, ignore_index, scale, loss, grad, grad.stride(0), sync,
                             parts, SEG=seg, N_SEG=n_seg, N_SEG_P2=triton.next_power_of_2(n_seg), LAG=lag,
-                            BLOCK=block, TICKET=ticket, num_warps=warps)
+                            BLOCK=block, TICKET=ticket, EVICT=evict, REREAD_EVICT=reread_evict,
+                            num_warps=warps)
     return loss, grad
 
 
@@ -139,12 +143,12 @@ def sweep(n, v, out):
     copy_gbps = 4277.0 if "H200" in torch.cuda.get_device_name() else COPY_GBPS
     floor_ms = 2 * n * v * 2 / (copy_gbps * 1e9) * 1e3
     out(f"cross_entropy {n}x{v}: floor (one read, one write at {copy_gbps:.0f} GB/s) {floor_ms:.3f} ms")
-    out(f"{'kernel':<28}{'ms':>8}{'of floor':>10}")
+    out(f"{'kernel':<40}{'ms':>8}{'of floor':>10}")
     for in_place in (True, False):
         plan = cross_entropy.forward_plan(info(x), info(target), reduction="sum", in_place=in_place)
         ms = triton.testing.do_bench(lambda: run_plan(plan, logits=x, target=target), return_mode="median")
-        out(f"{'library ' + ('in place' if in_place else 'out of place'):<28}{ms:>8.3f}{floor_ms / ms:>10.2f}")
-    for seg, lag, block, warps, ticket, in_place in CONFIGS[: None if v >= 65536 else 4]:
+        out(f"{'library ' + ('in place' if in_place else 'out of place'):<40}{ms:>8.3f}{floor_ms / ms:>10.2f}")
+    for seg, lag, block, warps, ticket, in_place, evict, reread in CONFIGS[: None if v >= 65536 else 4]:
         x.copy_(x0)  # the in-place runs leave gradients in x
         loss, grad = lagged_ce(x[:64].clone(), target[:64], seg=seg, lag=lag, block=block, warps=warps,
                                ticket=ticket)
@@ -152,16 +156,21 @@ def sweep(n, v, out):
         grad_err = (grad.double() - ref_grad).abs().max().item()
         ms = triton.testing.do_bench(
             lambda: lagged_ce(x, target, seg=seg, lag=lag, block=block, warps=warps, ticket=ticket,
-                              in_place=in_place), return_mode="median")
-        name = f"seg {seg} lag {lag} {block}/{warps}{' tk' if ticket else ''}{' ip' if in_place else ''}"
-        out(f"{name:<28}{ms:>8.3f}{floor_ms / ms:>10.2f}   max err loss {err:.1e} grad {grad_err:.1e}")
+                              in_place=in_place, evict=evict, reread_evict=reread), return_mode="median")
+        name = (f"seg {seg} lag {lag} {block}/{warps}{' tk' if ticket else ''}{' ip' if in_place else ''}"
+                f" {evict[6:] or '-'}/{reread[6:] or '-'}")
+        out(f"{name:<40}{ms:>8.3f}{floor_ms / ms:>10.2f}   max err loss {err:.1e} grad {grad_err:.1e}")
 
 
-# (segment columns, lag rows, block, warps, ticket, in place), most telling first
-CONFIGS = [(8192, 64, 2048, 4, True, True), (8192, 128, 2048, 4, True, True), (8192, 32, 2048, 4, True, True),
-           (8192, 64, 1024, 2, True, True), (4096, 128, 1024, 2, True, True), (8192, 64, 2048, 4, False, False),
-           (8192, 256, 2048, 4, True, True), (16384, 64, 2048, 4, True, True), (8192, 64, 1024, 4, True, True),
-           (4096, 256, 2048, 4, True, True), (16384, 128, 2048, 4, True, True), (8192, 64, 2048, 4, True, False)]
+# (segment columns, lag rows, block, warps, ticket, in place, first read's and second read's eviction), most telling first
+CONFIGS = [(8192, 64, 2048, 4, True, True, "", ""), (8192, 64, 2048, 4, True, True, "evict_last", ""),
+           (8192, 64, 2048, 4, True, True, "evict_last", "evict_first"),
+           (8192, 96, 2048, 4, True, True, "evict_last", "evict_first"),
+           (8192, 128, 2048, 4, True, True, "evict_last", "evict_first"),
+           (8192, 48, 2048, 4, True, True, "evict_last", "evict_first"),
+           (8192, 64, 2048, 4, True, False, "evict_last", "evict_first"),
+           (16384, 64, 2048, 4, True, True, "evict_last", "evict_first"),
+           (8192, 64, 2048, 4, True, True, "", "evict_first")]
 COPY_GBPS = float(os.environ.get("COPY_GBPS", "3054"))  # the H100's copy rate of s25 (4277 on the H200)
 
 
