@@ -4,6 +4,9 @@ One program per row reads the row twice: an online softmax in fp32 over vocab bl
 exponentials, plus the sums label smoothing needs), then a second sweep that writes the gradient of the
 (already reduced) loss with respect to the logits, either over the logits themselves (in place) or into a
 fresh buffer. The backward is then a scale of that gradient by the incoming one (:func:`backward_plan`).
+Rows of 65536+ columns (``LAGGED``) take the lagged kernel for the loss with its gradient: the row cut into
+segments whose statistics and gradient jobs run in one grid, the gradient jobs a few MB of traffic behind,
+so that the second read comes from L2 (:func:`_cross_entropy_lagged_kernel`).
 
 Options follow ``torch.nn.functional.cross_entropy``:
 
@@ -55,6 +58,14 @@ _SCALE_PROGRAMS = 1024
 # against 1.023; 16384x32000 out of place 0.857 at 8192/16 against 0.931 at 4096/8 and 1.025 at 2048/8, in place
 # 0.854 against 0.926 at 2048/8 (4096/8's 0.831 would win there by 3%, and lose 8% out of place).
 _CE_SWEEPS = ((32000, (8192, 16)),)
+# The lagged kernel (_cross_entropy_lagged_kernel) for the loss with its gradient on rows of at least "from_cols"
+# columns: "segment" columns a job, the gradient jobs "lag" rows after the statistics jobs, "block" columns a
+# step at "num_warps". H100, bf16, 8192x128256 (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_ce_lagged*.txt, the
+# probe scripts/tune_ce_lagged.py): 1.660 ms in place and 1.711 out of place against the two-pass kernel's
+# 1.804 and 1.979; 4096-column blocks at 8 warps 1.93, lag 32 1.72, lag 96-128 2.1 (the rows in between
+# outgrow the L2). At 8192x32000 the two-pass kernel's second sweep already comes from L2 and wins (0.428
+# against 0.62 at 4096/8).
+LAGGED = {"from_cols": 65536, "segment": 8192, "lag": 64, "block": 2048, "num_warps": 4}
 
 
 @triton.jit
@@ -140,6 +151,65 @@ def row_softmax_stats(row_ptr, col_stride, n_cols, scale, softcap, W, w_stride, 
 
 
 @triton.jit
+def row_loss_terms(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols, label_smoothing, lse_square_scale,
+                   MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z: tl.constexpr):
+    """A row's ``(loss, z_loss, a, b, c)`` from its softmax statistics: the loss (NaN for an invalid target),
+    already divided by the mean's denominators, and d loss / d logits = a * softmax - b * onehot(t) - c * w."""
+    if MEAN:
+        denom_w = tl.load(DENOM)
+        denom_n = tl.load(DENOM + 1)
+        # a total class weight of exactly 0 (every target ignored) gives 0, not NaN; a negative total (negative
+        # class weights are valid) divides, as torch's
+        ce_scale = tl.where(denom_w != 0, 1.0 / tl.where(denom_w != 0, denom_w, 1.0), 0.0)
+        z_scale = tl.where(denom_n > 0, 1.0 / tl.where(denom_n > 0, denom_n, 1.0), 0.0)
+    else:
+        ce_scale = 1.0
+        z_scale = 1.0
+    eps = label_smoothing
+    ce = (1.0 - eps) * w_t * (lse - x_t)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            ce += eps / n_cols * (sum_w * lse - sum_wz)
+        else:
+            ce += eps * lse - eps / n_cols * sum_z
+    loss = ce * ce_scale
+    z_loss = lse_square_scale * lse * lse * z_scale
+    if HAS_Z:
+        loss += z_loss
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            a = ((1.0 - eps) * w_t + eps / n_cols * sum_w) * ce_scale
+        else:
+            a = ce_scale * 1.0
+    else:
+        a = w_t * ce_scale
+    if HAS_Z:
+        a += 2.0 * lse_square_scale * lse * z_scale
+    b = (1.0 - eps) * w_t * ce_scale
+    c = eps / n_cols * ce_scale
+    return tl.where(valid, loss, float("nan")), tl.where(valid, z_loss, float("nan")), a, b, c
+
+
+@triton.jit
+def gradient_values(x, cols, mask, t_safe, valid, lse, a, b, c, softcap, W, w_stride, HAS_SOFTCAP: tl.constexpr,
+                    HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """d loss / d logits at columns ``cols`` of a row, from its logits ``x`` (fp32, before the softcap) and the
+    row's terms (:func:`row_loss_terms`); NaN for an invalid target."""
+    if HAS_SOFTCAP:
+        th = tanh(x / softcap)
+        x = softcap * th
+    grad = exp_ftz(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+        else:
+            grad -= c
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - th * th)
+    return tl.where(valid, grad, float("nan"))
+
+
+@triton.jit
 def _cross_entropy_kernel(
     X, x_row_stride, x_col_stride,
     T, t_stride,
@@ -158,7 +228,8 @@ def _cross_entropy_kernel(
     size and 1-3 programs per SM: results/h200-2026-12-03-tune_ce-persistent.txt. A row split over up to 32 programs
     that exchange their softmax statistics inside the kernel, reading the logits once, was 1.5x slower: the
     segments held through the exchange leave too few bytes in flight per SM; results/h200-2026-12-04-tune_ce_split
-    .txt, commit cfe49f6.)"""
+    .txt, commit cfe49f6. What did pay for wide rows is reading each segment again from L2, with no program
+    waiting on a later one: :func:`_cross_entropy_lagged_kernel`.)"""
     x_row_stride = aligned(x_row_stride, ALIGN)
     grad_row_stride = aligned(grad_row_stride, ALIGN)
     n_cols = aligned(n_cols, ALIGN)
@@ -194,45 +265,14 @@ def _cross_entropy_kernel(
         w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
     else:
         w_t = 1.0
-    if MEAN:
-        denom_w = tl.load(DENOM)
-        denom_n = tl.load(DENOM + 1)
-        # a total class weight of exactly 0 (every target ignored) gives 0, not NaN; a negative total (negative
-        # class weights are valid) divides, as torch's
-        ce_scale = tl.where(denom_w != 0, 1.0 / tl.where(denom_w != 0, denom_w, 1.0), 0.0)
-        z_scale = tl.where(denom_n > 0, 1.0 / tl.where(denom_n > 0, denom_n, 1.0), 0.0)
-    else:
-        ce_scale = 1.0
-        z_scale = 1.0
-    eps = label_smoothing
-    ce = (1.0 - eps) * w_t * (lse - x_t)
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            ce += eps / n_cols * (sum_w * lse - sum_wz)
-        else:
-            ce += eps * lse - eps / n_cols * sum_z
-    loss = ce * ce_scale
-    z_loss = lse_square_scale * lse * lse * z_scale
-    if HAS_Z:
-        loss += z_loss
-    loss = tl.where(valid, loss, float("nan"))
+    loss, z_loss, a, b, c = row_loss_terms(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols,
+                                           label_smoothing, lse_square_scale, MEAN, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z)
     tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
     if RETURN_Z:
-        tl.store(Z_LOSS + row, tl.where(valid, z_loss, float("nan")).to(Z_LOSS.dtype.element_ty))
+        tl.store(Z_LOSS + row, z_loss.to(Z_LOSS.dtype.element_ty))
 
     # Sweep 2: d loss / d logits = a * softmax - b * onehot(t) - c * w (times 1 - tanh^2 with a softcap).
     if HAS_GRAD:
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                a = ((1.0 - eps) * w_t + eps / n_cols * sum_w) * ce_scale
-            else:
-                a = ce_scale * 1.0
-        else:
-            a = w_t * ce_scale
-        if HAS_Z:
-            a += 2.0 * lse_square_scale * lse * z_scale
-        b = (1.0 - eps) * w_t * ce_scale
-        c = eps / n_cols * ce_scale
         if HAS_GRAD_SCALE:
             g = tl.load(G + row * g_stride).to(tl.float32)
             a = a * g
@@ -243,23 +283,140 @@ def _cross_entropy_kernel(
             cols = chunk_columns(i, n_blocks, BLOCK_V, True)  # last block first: sweep 1's latest, likeliest in L2
             mask = cols < n_cols
             x = tl.load(x_row + cols * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                th = tanh(x / softcap)
-                x = softcap * th
-            grad = exp_ftz(x - lse) * a - tl.where(cols == t_safe, b, 0.0)
-            if HAS_SMOOTHING:
-                if HAS_WEIGHT:
-                    grad -= c * tl.load(W + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    grad -= c
-            if HAS_SOFTCAP:
-                grad = grad * (1.0 - th * th)
-            grad = tl.where(valid, grad, float("nan"))
+            grad = gradient_values(x, cols, mask, t_safe, valid, lse, a, b, c, softcap, W, w_stride, HAS_SOFTCAP,
+                                   HAS_SMOOTHING, HAS_WEIGHT)
             # streamed (.cs): the gradient is read next by another kernel, not by this one, and leaving L2 to the
             # logits' second sweep was 2-8% faster at every block size (H100, tune_ce_l2 "cs")
             tl.store(grad_row + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask,
                      cache_modifier=".cs")
 
+
+@triton.jit
+def _cross_entropy_lagged_kernel(
+    X, x_row_stride, x_col_stride,
+    T, t_stride,
+    W, w_stride,
+    DENOM,
+    G, g_stride,
+    grad_row_stride, grad_col_stride,
+    n_rows, n_cols, ignore_index, label_smoothing, lse_square_scale, softcap,
+    LOSS, Z_LOSS, GRAD, SYNC, PARTS, X_T,
+    SEG: tl.constexpr, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr, LAG: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_Z: tl.constexpr, RETURN_Z: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """The loss and gradient of wide rows with the row's second read served from L2 (the two-pass kernel reads
+    it twice from DRAM: one program takes ~20 us to sweep a 256 KB row, and by its second sweep the L2 has
+    turned over).
+
+    Each row is N_SEG segments of SEG columns, and each segment two jobs of one grid, in a fixed order: a
+    statistics job (the segment's logsumexp and smoothing sums into PARTS[row, :, segment], then a release count
+    on SYNC[1 + row]) and, LAG rows later in the order, a gradient job (its first block's load issued, it waits
+    with acquire for the row's N_SEG counts, combines the segments' statistics in segment order, stores the
+    loss with segment 0 and writes the segment's gradient). Between a segment's two reads the GPU streams only
+    the ~LAG rows in between. A job takes its place in the order from a ticket (SYNC[0]) when it starts, and
+    waits only on jobs with lower tickets, already running or done: no wait can deadlock whatever the order in
+    which the hardware starts programs, and the interpreter runs the grid as it is. The target's logit is
+    published by its segment's statistics job (X_T[row]): the gradient may be written over the logits."""
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    grad_row_stride = aligned(grad_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    job = tl.atomic_add(SYNC, 1, sem="relaxed").to(tl.int64)
+    slot = job // (2 * N_SEG)
+    kind = job % (2 * N_SEG)
+    seg = kind % N_SEG
+    row = tl.where(kind < N_SEG, slot, slot - LAG)
+    if (row < 0) | (row >= n_rows):  # the first LAG slots have no gradient jobs, the last LAG no statistics
+        return
+    start = seg * SEG
+    seg_cols = tl.minimum(n_cols - start, SEG)
+    t = tl.load(T + row * t_stride).to(tl.int64)
+    x_seg = X + row * x_row_stride + start * x_col_stride
+    parts = PARTS + row * (4 * N_SEG)
+    if kind < N_SEG:  # statistics job (an ignored row publishes none: its gradient jobs do not wait)
+        if t != ignore_index:
+            lse, sum_z, sum_wz, sum_w = row_softmax_stats(
+                x_seg, x_col_stride, seg_cols, 1.0, softcap, W + start * w_stride, w_stride, BLOCK_V,
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT, "")
+            tl.store(parts + seg, lse)
+            if HAS_SMOOTHING:
+                tl.store(parts + N_SEG + seg, sum_z)
+                tl.store(parts + 2 * N_SEG + seg, sum_wz)
+                tl.store(parts + 3 * N_SEG + seg, sum_w)
+            if (t >= start) & (t < start + seg_cols):  # before any gradient job can write over it
+                x_t = tl.load(x_seg + (t - start) * x_col_stride).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x_t = softcap * tanh(x_t / softcap)
+                tl.store(X_T + row, x_t)
+            tl.debug_barrier()  # every thread's stores before the release
+            tl.atomic_add(SYNC + 1 + row, 1, sem="release")
+    else:  # gradient job
+        grad_seg = GRAD + row * grad_row_stride + start * grad_col_stride
+        offsets = tl.arange(0, BLOCK_V)
+        # in flight through the wait; the last read of these logits (evict_first)
+        x_next = tl.load(x_seg + offsets * x_col_stride, mask=offsets < seg_cols, other=0.0,
+                         eviction_policy="evict_first")
+        kept = t != ignore_index
+        valid = (t >= 0) & (t < n_cols)
+        t_safe = tl.where(valid, t, 0)
+        if kept:
+            count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
+            while count < N_SEG:
+                count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
+        # An ignored row's statistics were never written: it reads none, and its loss and gradient are zeros.
+        lse, sum_z, sum_wz, sum_w = combine_segment_stats(parts, kept, N_SEG, N_SEG_P2, HAS_SMOOTHING)
+        x_t = tl.load(X_T + row, mask=valid & kept, other=0.0, cache_modifier=".cg")
+        if HAS_WEIGHT:
+            w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
+        else:
+            w_t = 1.0
+        loss, z_loss, a, b, c = row_loss_terms(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols,
+                                               label_smoothing, lse_square_scale, MEAN, HAS_SMOOTHING, HAS_WEIGHT,
+                                               HAS_Z)
+        loss = tl.where(kept, loss, 0.0)
+        z_loss = tl.where(kept, z_loss, 0.0)
+        if HAS_GRAD_SCALE:
+            g = tl.load(G + row * g_stride).to(tl.float32)
+            a = a * g
+            b = b * g
+            c = c * g
+        if seg == 0:
+            tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
+            if RETURN_Z:
+                tl.store(Z_LOSS + row, z_loss.to(Z_LOSS.dtype.element_ty))
+        for block_start in range(0, seg_cols, BLOCK_V):
+            cols = block_start + offsets
+            mask = cols < seg_cols
+            x = x_next.to(tl.float32)
+            x_next = tl.load(x_seg + (cols + BLOCK_V) * x_col_stride, mask=cols + BLOCK_V < seg_cols, other=0.0,
+                             eviction_policy="evict_first")
+            grad = gradient_values(x, cols + start, mask, t_safe, valid, lse, a, b, c, softcap, W, w_stride,
+                                   HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
+            grad = tl.where(kept, grad, 0.0)
+            tl.store(grad_seg + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask,
+                     cache_modifier=".cs")
+
+
+@triton.jit
+def combine_segment_stats(parts, published, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr,
+                          HAS_SMOOTHING: tl.constexpr):
+    """A row's ``(logsumexp, sum x, sum w x, sum w)`` from its segments' (``parts``: N_SEG of each, written by
+    other programs: loaded from L2, not L1), combined in segment order; finite values, not read, unless
+    ``published``."""
+    segs = tl.arange(0, N_SEG_P2)
+    present = segs < N_SEG
+    read = present & published
+    lse_parts = tl.where(present, tl.load(parts + segs, mask=read, other=0.0, cache_modifier=".cg"), float("-inf"))
+    m = tl.max(lse_parts, axis=0)
+    lse = m + tl.log(tl.sum(exp_ftz(lse_parts - m), axis=0))
+    sum_z = 0.0
+    sum_wz = 0.0
+    sum_w = 0.0
+    if HAS_SMOOTHING:
+        sum_z = tl.sum(tl.load(parts + N_SEG + segs, mask=read, other=0.0, cache_modifier=".cg"), axis=0)
+        sum_wz = tl.sum(tl.load(parts + 2 * N_SEG + segs, mask=read, other=0.0, cache_modifier=".cg"), axis=0)
+        sum_w = tl.sum(tl.load(parts + 3 * N_SEG + segs, mask=read, other=0.0, cache_modifier=".cg"), axis=0)
+    return lse, sum_z, sum_wz, sum_w
 
 @triton.jit
 def _scale_rows_kernel(
@@ -382,9 +539,11 @@ def denominators_launch(target: ArrayInfo, weight: ArrayInfo | None, n_classes: 
 def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                 reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                 return_z_loss: bool, compute_grad: bool, in_place: bool, loss_dtype: str, loss_shape,
-                grad_scale: ArrayInfo | None = None) -> Launch:
+                grad_scale: ArrayInfo | None = None, lagged: bool | None = None) -> Launch:
     """The per-row kernel: outputs ``loss_rows`` (already divided by the mean's denominators; needs the
-    ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``)."""
+    ``denom`` buffer for ``mean``), ``z_rows`` and ``grad`` (written over the logits with ``in_place``).
+    ``lagged``: the lagged kernel (True, or a power of two: its segment's width, for tests and tuning), the
+    two-pass one (False), or by width (None: :func:`uses_lagged`)."""
     n_rows, n_cols, row_stride, col_stride = row_view(logits, "logits")
     has_weight = weight is not None
     mean = reduction == "mean"
@@ -405,26 +564,55 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
         if grad_scale.numel != n_rows:
             raise ValueError(f"grad_output must have one value per row ({n_rows}), got shape {grad_scale.shape}")
         g_stride = 0 if grad_scale.ndim == 0 else target_stride(grad_scale, "grad_output")
+    flags = {"HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
+             "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
+             "RETURN_Z": bool(return_z_loss), "HAS_GRAD_SCALE": grad_scale is not None}
+    common_args = (Buf("logits"), row_stride, col_stride,
+                   Buf("target"), target_stride(target),
+                   # unused pointers point at the targets, never at the logits: an array passed twice to a launch
+                   # that writes over it would make XLA copy it
+                   Buf("weight" if has_weight else "target"), weight.strides[0] if has_weight else 0,
+                   Buf("denom" if mean else "target"),
+                   Buf("grad_scale" if grad_scale is not None else "target"),
+                   g_stride if grad_scale is not None else 0,
+                   grad_row_stride, grad_col_stride)
+    options = (int(ignore_index), float(label_smoothing), float(lse_square_scale),
+               float(softcap) if softcap is not None else 1.0)
+    rows_out = NewBuffer("loss_rows", tuple(loss_shape), loss_dtype)
+    if compute_grad and (uses_lagged(n_cols) if lagged is None else lagged is not False):
+        segment = LAGGED["segment"] if lagged in (None, True) else lagged
+        return _lagged_launch(common_args, options, flags, n_rows, n_cols, segment, (rows_out, z_out, grad))
     bv, warps = ce_block_and_warps(n_cols)
+    return Launch(kernel=_cross_entropy_kernel, grid=(n_rows,), args=common_args + (n_cols,) + options,
+                  outputs=(rows_out, z_out, grad),
+                  constexprs={"BLOCK_V": bv, "HAS_GRAD": bool(compute_grad), **flags}, num_warps=warps)
+
+
+def uses_lagged(n_cols: int) -> bool:
+    """Whether the loss with its gradient takes the lagged kernel by default (rows of LAGGED["from_cols"]+)."""
+    return n_cols >= LAGGED["from_cols"]
+
+
+def _lagged_launch(common_args: tuple, options: tuple, flags: dict, n_rows: int, n_cols: int, segment: int,
+                   outputs: tuple) -> Launch:
+    """The lagged kernel's launch: a grid of (n_rows + lag) slots of 2 x segments jobs of ``segment`` columns,
+    with its scratch (the tickets and per-row counts, zero-filled; the segments' statistics; the target
+    logits)."""
+    if not isinstance(segment, int) or segment < 16 or segment & (segment - 1):
+        raise ValueError(f"lagged must be None, a bool or a power of two >= 16 (a segment width), got {segment!r}")
+    segment = min(segment, next_power_of_2(n_cols))
+    n_seg = cdiv(n_cols, segment)
+    lag = LAGGED["lag"]
     return Launch(
-        kernel=_cross_entropy_kernel,
-        grid=(n_rows,),
-        args=(Buf("logits"), row_stride, col_stride,
-              Buf("target"), target_stride(target),
-              # unused pointers point at the targets, never at the logits: an array passed twice to a launch
-              # that writes over it would make XLA copy it
-              Buf("weight" if has_weight else "target"), weight.strides[0] if has_weight else 0,
-              Buf("denom" if mean else "target"),
-              Buf("grad_scale" if grad_scale is not None else "target"), g_stride if grad_scale is not None else 0,
-              grad_row_stride, grad_col_stride,
-              n_cols, int(ignore_index), float(label_smoothing), float(lse_square_scale),
-              float(softcap) if softcap is not None else 1.0),
-        outputs=(NewBuffer("loss_rows", tuple(loss_shape), loss_dtype), z_out, grad),
-        constexprs={"BLOCK_V": bv, "HAS_WEIGHT": has_weight, "MEAN": mean, "HAS_SOFTCAP": softcap is not None,
-                    "HAS_SMOOTHING": float(label_smoothing) > 0.0, "HAS_Z": float(lse_square_scale) > 0.0,
-                    "RETURN_Z": bool(return_z_loss), "HAS_GRAD": bool(compute_grad),
-                    "HAS_GRAD_SCALE": grad_scale is not None},
-        num_warps=warps,
+        kernel=_cross_entropy_lagged_kernel,
+        grid=((n_rows + lag) * 2 * n_seg,),
+        args=common_args + (n_rows, n_cols) + options,
+        outputs=outputs + (NewBuffer("ce_sync", (1 + n_rows,), "int32", zeroed=True),
+                           NewBuffer("ce_parts", (n_rows * 4 * n_seg,), "float32"),
+                           NewBuffer("ce_target_logits", (n_rows,), "float32")),
+        constexprs={"SEG": segment, "N_SEG": n_seg, "N_SEG_P2": next_power_of_2(n_seg), "LAG": lag,
+                    "BLOCK_V": min(LAGGED["block"], segment), **flags},
+        num_warps=LAGGED["num_warps"],
     )
 
 
@@ -439,7 +627,8 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                  compute_grad: bool = True, in_place: bool = False, logits_name: str = "logits",
-                 target_name: str = "target", weight_name: str = "weight", given_denom: bool = False) -> Plan:
+                 target_name: str = "target", weight_name: str = "weight", given_denom: bool = False,
+                 lagged: bool | None = None) -> Plan:
     """Plan for the loss (and its gradient) of logits ``(..., V)`` against integer ``target`` ``(...)``.
 
     Inputs ``logits``, ``target`` (and ``weight``; and ``denom`` from :func:`denominators_plan` with
@@ -448,6 +637,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     for none; logits' dtype), then ``z_loss`` with ``return_z_loss``, then ``grad`` (d loss / d logits, for an
     incoming gradient of 1; logits' dtype) with ``compute_grad``, written over the logits with ``in_place``
     when they are dense. ``*_name`` are the arguments' names in the caller's API, for error messages.
+    ``lagged`` chooses the kernel of the loss with its gradient (:func:`rows_launch`; None: by width).
     """
     check_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                   lse_square_scale=lse_square_scale, softcap=softcap)
@@ -462,7 +652,7 @@ def forward_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None 
     launches.append(rows_launch(
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
-        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape))
+        compute_grad=compute_grad, in_place=in_place, loss_dtype=rows_dtype, loss_shape=rows_shape, lagged=lagged))
     outputs = ["loss_rows"]
     if return_z_loss:
         outputs.append("z_rows")
@@ -493,7 +683,8 @@ def denominators_plan(target: ArrayInfo, weight: ArrayInfo | None, n_classes: in
 @functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments
 def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *, ignore_index: int,
                reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
-               return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None) -> Plan:
+               return_z_loss: bool, compute_grad: bool, grad_scale: ArrayInfo | None = None,
+               lagged: bool | None = None) -> Plan:
     """One chunk of rows of a larger loss (fused linear cross-entropy): fp32 per-row ``loss_rows`` (and
     ``z_rows``), already divided by the whole batch's denominators (input ``denom`` for ``mean``, from
     :func:`denominators_plan`), and ``grad`` written over the chunk's logits. With ``grad_scale`` (one value per
@@ -502,7 +693,7 @@ def chunk_plan(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, *
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
         compute_grad=compute_grad, in_place=True, loss_dtype="float32", loss_shape=(target.numel,),
-        grad_scale=grad_scale)
+        grad_scale=grad_scale, lagged=lagged)
     inputs = ["logits", "target"]
     if weight is not None:
         inputs.append("weight")

@@ -128,6 +128,28 @@ def test_vocab_over_several_blocks(seed):
     assert_close(np.asarray(jax.grad(f)(logits)) * 3, np.asarray(g_ref) * 3, jnp.float32, "dx")
 
 
+def test_lagged_kernel_at_its_default_width(seed):
+    """65541 columns: the lagged kernel (liger_core.cross_entropy.uses_lagged; 9 segments, the last 5 columns
+    wide, holding a target and a row max), every option, an ignored row, a non-uniform incoming gradient."""
+    from liger_core.cross_entropy import uses_lagged
+
+    v = 65541
+    assert uses_lagged(v)
+    logits, labels, weight, rng = draw(seed, (3,), v, jnp.float32, ignore_fraction=0.0)
+    logits = logits.at[1, v - 2].set(60.0)
+    labels = labels.at[2].set(v - 1).at[0].set(-100)
+    g = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    opts = _opts("everything", weight)
+    loss, vjp = jax.vjp(jax.jit(lambda x: liger_jax.cross_entropy(x, labels, reduction="none", **opts)), logits)
+    assert_close(np.asarray(loss), np.asarray(reference(logits, labels, reduction="none", **opts)[0]), jnp.float32,
+                 "loss")
+    with x64():
+        _, vjp_ref = jax.vjp(lambda x: reference(x, labels, reduction="none", **opts)[0],
+                             logits.astype(jnp.float64))
+        (dx_ref,) = vjp_ref(g.astype(jnp.float64))
+    assert_close(np.asarray(vjp(g)[0]), np.asarray(dx_ref), jnp.float32, "dx")
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_labels_ignored(reduction, seed):
     logits, labels, weight, _ = draw(seed, (5,), 259, jnp.float32, ignore_fraction=1.0)

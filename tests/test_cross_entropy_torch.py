@@ -113,12 +113,12 @@ def test_row_sweep_launch_by_width():
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("option", ["plain", "everything"])
 def test_wide_vocab_steps(option, in_place, device, seed):
-    """65541 columns: 8192-column steps at 16 warps, eight whole and a 5-column ninth, with the row max and a target
-    in the partial one, the gradient in place or in its own buffer; the plan's launch is checked, so the test runs
-    the path it names."""
+    """65533 columns (the widest rows the two-pass kernel takes with a gradient): 8192-column steps at 16 warps,
+    seven whole and an eighth 3 columns short, with the row max and a target in the partial one, the gradient in
+    place or in its own buffer; the plan's launch is checked, so the test runs the path it names."""
     from liger_torch._launch import info
 
-    v = 65541
+    v = 65533
     x, t, w, gen = draw(seed, 3, v, torch.float32, ignore_fraction=0.0, device=device)
     core = liger_core.cross_entropy
     plan = core.forward_plan(info(x), info(t), reduction="none", in_place=in_place)
@@ -426,3 +426,124 @@ def test_scale_strides_over_more_tiles_than_programs(in_place, g, device, seed):
     (out,) = run_plan(plan, grad=work, grad_output=g_t)
     assert (out.data_ptr() == work.data_ptr()) == in_place
     assert torch.equal(out, expected)
+
+
+LAGGED_CASES = [(7, 1000, 64), (5, 259, 16), (1, 77, 32), (9, 300, 128)]  # (rows, vocab, segment)
+
+
+def run_lagged(x, t, lagged, reduction, opts, in_place=False):
+    """(loss, dlogits for an incoming gradient of 1) from the plan with the given kernel choice."""
+    from liger_torch._launch import info, run_plan
+
+    core = liger_core.cross_entropy
+    weight = opts.get("weight")
+    kwargs = {k: v for k, v in opts.items() if k != "weight"}
+    plan = core.forward_plan(info(x), info(t), info(weight) if weight is not None else None, reduction=reduction,
+                             in_place=in_place, lagged=lagged, **kwargs)
+    kernels = {launch.kernel for launch in plan.launches}
+    assert (core._cross_entropy_lagged_kernel in kernels) == (lagged is not False), kernels
+    inputs = {"logits": x.clone(), "target": t}
+    if weight is not None:
+        inputs["weight"] = weight
+    return run_plan(plan, **inputs)
+
+
+@pytest.mark.parametrize("n,v,segment", LAGGED_CASES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_lagged_kernel_matches_the_reference(n, v, segment, reduction, option, device, seed):
+    """The lagged kernel (rows cut into segments, statistics and gradient jobs in one grid) against float64
+    torch, segments forced narrow so the small rows have several (and a partial last one), a row ignored."""
+    x, t, w, gen = draw(seed, n, v, torch.float32, device=device)
+    t[n // 2] = -100
+    t[0] = v - 1  # a target in the partial last segment
+    x[-1, v // 2] = 70.0  # a row max in a middle segment
+    opts = dict(OPTIONS[option])
+    if opts.pop("weight", False):
+        opts["weight"] = w
+    loss, dx = run_lagged(x, t, segment, reduction, opts)
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, reduction=reduction, **opts), x, t,
+                                torch.ones_like(loss, dtype=torch.float64))
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    scale = n if reduction == "mean" else 1.0
+    assert_close(dx * scale, dx_ref * scale, torch.float32, "dlogits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_lagged_kernel_half_precision_agrees_with_the_two_pass_kernel(dtype, in_place, device, seed):
+    """In half precision, in place or not, with every option: the lagged kernel's loss and gradient within a
+    rounding of the two-pass kernel's (their logsumexps are summed in different orders), z-loss returned."""
+    x, t, w, _ = draw(seed, 6, 1000, dtype, device=device)
+    opts = dict(OPTIONS["everything"], weight=w, return_z_loss=True)
+    two_pass = run_lagged(x, t, False, "none", opts, in_place=in_place)
+    lagged = run_lagged(x, t, 64, "none", opts, in_place=in_place)
+    for name, a, b in zip(("loss", "z_loss", "dlogits"), two_pass, lagged):
+        assert_close(b, a.double(), dtype, name)
+
+
+def test_lagged_kernel_by_width():
+    """Rows of 65536+ columns take the lagged kernel for the loss with its gradient; the loss alone, and narrower
+    rows, the two-pass one."""
+    from liger_core.launch import ArrayInfo
+
+    core = liger_core.cross_entropy
+    target = ArrayInfo.contiguous((8,), "int64")
+
+    def kernel(v, **kwargs):
+        plan = core.forward_plan(ArrayInfo.contiguous((8, v), "bfloat16"), target, **kwargs)
+        return {launch.kernel for launch in plan.launches} & {core._cross_entropy_kernel,
+                                                              core._cross_entropy_lagged_kernel}
+
+    assert core.uses_lagged(65536) and not core.uses_lagged(65535)
+    assert kernel(128256) == kernel(65536) == {core._cross_entropy_lagged_kernel}
+    assert kernel(65535) == kernel(128256, compute_grad=False) == kernel(128256, lagged=False) == {
+        core._cross_entropy_kernel}
+    with pytest.raises(ValueError, match="lagged"):
+        kernel(1000, lagged=48)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_lagged_kernel_at_its_default_width(in_place, device, seed):
+    """Through liger_torch at 65541 columns (the lagged kernel by default: 9 segments of 8192, the last 5 columns
+    wide, with the row max and a target in it), every option, a non-uniform incoming gradient, against float64."""
+    v = 65541
+    x, t, w, gen = draw(seed, 3, v, torch.float32, ignore_fraction=0.0, device=device)
+    x[1, v - 2] = 60.0
+    t[2] = v - 1
+    t[0] = -100
+    opts = dict(OPTIONS["everything"], weight=w)
+    g = incoming(None, "none", gen, 3, device)
+    (loss,), dx = run(lambda a, b: (liger_torch.cross_entropy(a, b, reduction="none", in_place=in_place, **opts),),
+                      x, t, g)
+    (loss_ref, _), dx_ref = run(lambda a, b: reference(a, b, reduction="none", **opts), x, t, g.double())
+    assert_close(loss, loss_ref, torch.float32, "loss")
+    assert_close(dx, dx_ref, torch.float32, "dlogits")
+
+
+def test_lagged_kernel_is_bitwise_deterministic(device, seed):
+    """The segments' statistics are combined in segment order, whichever job finishes last."""
+    x, t, w, _ = draw(seed, 9, 1000, torch.bfloat16, device=device)
+    first = run_lagged(x, t, 64, "mean", {"label_smoothing": 0.1})
+    second = run_lagged(x, t, 64, "mean", {"label_smoothing": 0.1})
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_lagged_chunk_with_per_row_gradient_scale(device, seed):
+    """Fused linear cross-entropy's chunk plan (gradient written over the chunk's logits, scaled per row for
+    reduction='none') through the lagged kernel, against the two-pass kernel."""
+    from liger_torch._launch import info, run_plan
+
+    core = liger_core.cross_entropy
+    x, t, w, gen = draw(seed, 7, 1000, torch.float32, device=device)
+    g = torch.randn(7, generator=gen).to(device)
+    denominators = run_plan(core.denominators_plan(info(t), None, 1000, -100), target=t)[0]
+    results = []
+    for lagged in (False, 64):
+        plan = core.chunk_plan(info(x), info(t), None, ignore_index=-100, reduction="mean", label_smoothing=0.1,
+                               lse_square_scale=1e-3, softcap=None, return_z_loss=True, compute_grad=True,
+                               grad_scale=info(g), lagged=lagged)
+        results.append(run_plan(plan, logits=x.clone(), target=t, denom=denominators, grad_scale=g))
+    for name, a, b in zip(("loss_rows", "z_rows", "grad"), *results):
+        assert_close(b, a.double(), torch.float32, name)

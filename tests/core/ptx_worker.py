@@ -72,6 +72,8 @@ def cases():
     ragged, ragged_w = bf16(8, 20496), bf16(20496)
     held, held_w = bf16(8, 32768), bf16(32768)
     scalar = ArrayInfo.contiguous((), "float32")
+    vocab, vocab_target = bf16(8, 128256), ArrayInfo.contiguous((8,), "int64")
+    vocab_w = ArrayInfo.contiguous((128256,), "float32")
     return {
         "rms_norm forward": (rms_norm.forward_plan(x, w, eps=1e-6), {"x": x, "weight": w}),
         "rms_norm backward": (rms_norm.backward_plan(x, x, w, num_sms=132),
@@ -146,6 +148,13 @@ def cases():
                  outputs=("dw", "db")),
             {"dw_partial": ArrayInfo.contiguous((1, 132, 4096), "float32"),
              "db_partial": ArrayInfo.contiguous((1, 132, 4096), "float32")}),
+        # the loss with its gradient on rows of 65536+ columns: the lagged kernel (plain, and every option)
+        "cross_entropy, lagged": (cross_entropy.forward_plan(vocab, vocab_target, reduction="sum"),
+                                  {"logits": vocab, "target": vocab_target}),
+        "cross_entropy, lagged, every option": (
+            cross_entropy.forward_plan(vocab, vocab_target, vocab_w, label_smoothing=0.1, lse_square_scale=1e-4,
+                                       softcap=30.0, return_z_loss=True),
+            {"logits": vocab, "target": vocab_target, "weight": vocab_w}),
         "jsd on logits": (jsd.chunk_plan(64, 32000, "bfloat16", "bfloat16", None, beta=0.5, ignore_index=-100,
                                          n_total_rows=64, temperature=2.0, compute_grad=True),
                           {"student": logits, "teacher": logits}),
