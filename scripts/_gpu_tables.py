@@ -25,3 +25,25 @@ def run(script: str, out_path: str | None, body: Callable[[Callable[[str], None]
         with open(out_path, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0
+
+
+def sweep_shapes_main(script: str, doc: str, default_shapes: list[str], sweep, argv=None) -> int:
+    """A script sweeping ``sweep(rows, columns, out)`` over ``--shapes ROWSxCOLUMNS ...`` (``default_shapes``), the
+    GPU and versions first, its lines also written to ``--out``."""
+    import argparse
+
+    import triton
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=default_shapes)
+    parser.add_argument("--out", help="also write the tables to this file")
+    args = parser.parse_args(argv)
+
+    def tables(out):
+        out(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+        for shape in args.shapes:
+            n, v = (int(s) for s in shape.split("x"))
+            sweep(n, v, out)
+            torch.cuda.empty_cache()
+
+    return run(script, args.out, tables)

@@ -22,7 +22,6 @@ row; the library took them: cross_entropy._CE_SWEEPS.)
     python3 scripts/tune_ce_l2.py [--shapes 8192x128256] [--out FILE]
 """
 
-import argparse
 import sys
 
 import torch
@@ -144,19 +143,7 @@ def _configs():
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["8192x128256"])
-    parser.add_argument("--out", help="also write the table to this file")
-    args = parser.parse_args(argv)
-
-    def tables(out):
-        out(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-        for shape in args.shapes:
-            n, v = (int(s) for s in shape.split("x"))
-            sweep(n, v, out)
-            torch.cuda.empty_cache()
-
-    return gpu_tables.run("tune_ce_l2", args.out, tables)
+    return gpu_tables.sweep_shapes_main("tune_ce_l2", __doc__, ["8192x128256"], sweep, argv)
 
 
 if __name__ == "__main__":

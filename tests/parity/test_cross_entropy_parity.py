@@ -49,15 +49,17 @@ def test_cross_entropy_parity(reduction, option, dtype, device, seed):
         assert_parity(as_numpy(a), np.asarray(b), name)
 
 
+@pytest.mark.parametrize("v", [32003, 65541])
 @pytest.mark.parametrize("option", ["plain", "z_softcap"])
-def test_wide_vocab_parity(option, device, seed):
-    """32003 columns: the row kernel's 8192-column steps at 16 warps (cross_entropy._CE_SWEEPS), which both
-    frontends launch whether the gradient goes over the logits (jax) or into its own buffer (torch's default)."""
-    from liger_core.cross_entropy import ce_block_and_warps
+def test_wide_vocab_parity(v, option, device, seed):
+    """32003 columns: the row kernel's 8192-column steps at 16 warps (cross_entropy._CE_SWEEPS); 65541: the lagged
+    kernel (9 segments, the last 5 columns wide). Both frontends launch them whether the gradient goes over the
+    logits (jax) or into its own buffer (torch's default)."""
+    from liger_core.cross_entropy import ce_block_and_warps, uses_lagged
 
     rng = np.random.default_rng(seed)
-    n, v = 3, 32003
-    assert ce_block_and_warps(v) == (8192, 16)
+    n = 3
+    assert uses_lagged(v) == (v == 65541) and ce_block_and_warps(v) == (8192, 16)
     x = np.asarray(rng.standard_normal((n, v)) * 3, jnp.float32)
     labels = np.asarray([v - 1, 5, -100], np.int32)  # a target in the partial last step, an ignored row
     g = np.asarray(rng.standard_normal(n), jnp.float32)
@@ -72,25 +74,3 @@ def test_wide_vocab_parity(option, device, seed):
     assert_parity(as_numpy(loss_t), np.asarray(loss_j), "loss")
     assert_parity(as_numpy(xt.grad), np.asarray(dx_j), "dx")
 
-
-def test_lagged_kernel_parity(device, seed):
-    """65541 columns: the lagged kernel (9 segments, the last 5 columns wide) in both frontends, jax writing the
-    gradient over the logits and torch into its own buffer, bit for bit."""
-    from liger_core.cross_entropy import uses_lagged
-
-    rng = np.random.default_rng(seed)
-    n, v = 3, 65541
-    assert uses_lagged(v)
-    x = np.asarray(rng.standard_normal((n, v)) * 3, jnp.float32)
-    labels = np.asarray([v - 1, -100, 7], np.int32)  # a target in the partial last segment, an ignored row
-    g = np.asarray(rng.standard_normal(n), jnp.float32)
-    opts = OPTIONS["z_softcap"]
-
-    xt = to_torch(x, device).requires_grad_(True)
-    loss_t = liger_torch.cross_entropy(xt, to_torch(labels, device).long(), reduction="none", **opts)
-    loss_t.backward(to_torch(g, device))
-    loss_j, vjp = jax.vjp(jax.jit(lambda a: liger_jax.cross_entropy(a, jnp.asarray(labels), reduction="none",
-                                                                     **opts)), jnp.asarray(x))
-    (dx_j,) = vjp(jnp.asarray(g))
-    assert_parity(as_numpy(loss_t), np.asarray(loss_j), "loss")
-    assert_parity(as_numpy(xt.grad), np.asarray(dx_j), "dx")
