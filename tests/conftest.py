@@ -58,3 +58,20 @@ def seed(request):
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
     monkeypatch.setattr(liger_torch._launch, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture
+def lagged_from_65536(monkeypatch):
+    """Cross-entropy's lagged kernel as the default from 65536 columns (``LAGGED["from_cols"]``, off in the
+    library until it has passed on a GPU), the plan caches cleared on the way in and out."""
+    from liger_core import cross_entropy
+
+    def clear():
+        cross_entropy.forward_plan.cache_clear()
+        cross_entropy.chunk_plan.cache_clear()
+
+    clear()
+    monkeypatch.setitem(cross_entropy.LAGGED, "from_cols", 65536)
+    yield
+    monkeypatch.undo()
+    clear()

@@ -128,7 +128,7 @@ def test_vocab_over_several_blocks(seed):
     assert_close(np.asarray(jax.grad(f)(logits)) * 3, np.asarray(g_ref) * 3, jnp.float32, "dx")
 
 
-def test_lagged_kernel_at_its_default_width(seed):
+def test_lagged_kernel_at_its_default_width(seed, lagged_from_65536):
     """65541 columns: the lagged kernel (liger_core.cross_entropy.uses_lagged; 9 segments, the last 5 columns
     wide, holding a target and a row max), every option, an ignored row, a non-uniform incoming gradient."""
     from liger_core.cross_entropy import uses_lagged

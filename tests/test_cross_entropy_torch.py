@@ -113,7 +113,7 @@ def test_row_sweep_launch_by_width():
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("option", ["plain", "everything"])
 @pytest.mark.parametrize("v", [65533, 65541])
-def test_wide_vocab_steps(v, option, in_place, device, seed):
+def test_wide_vocab_steps(v, option, in_place, device, seed, lagged_from_65536):
     """65533 columns (the widest rows the two-pass kernel takes with a gradient): 8192-column steps at 16 warps,
     seven whole and an eighth 3 columns short; 65541, the lagged kernel by default: 9 segments of 8192, the last 5
     columns wide. The row max and a target in the partial step or segment, the gradient in place or in its own
@@ -487,9 +487,9 @@ def test_lagged_kernel_half_precision_agrees_with_the_two_pass_kernel(dtype, in_
         assert_close(b, a.double(), dtype, name)
 
 
-def test_lagged_kernel_by_width():
-    """Rows of 65536+ columns take the lagged kernel for the loss with its gradient; the loss alone, and narrower
-    rows, the two-pass one."""
+def test_lagged_kernel_by_width(lagged_from_65536):
+    """With the lagged kernel on from 65536 columns, such rows take it for the loss with its gradient; the loss
+    alone, and narrower rows, the two-pass one."""
     from liger_core.launch import ArrayInfo
 
     core = liger_core.cross_entropy

@@ -148,12 +148,12 @@ def cases():
                  outputs=("dw", "db")),
             {"dw_partial": ArrayInfo.contiguous((1, 132, 4096), "float32"),
              "db_partial": ArrayInfo.contiguous((1, 132, 4096), "float32")}),
-        # the loss with its gradient on rows of 65536+ columns: the lagged kernel (plain, and every option)
-        "cross_entropy, lagged": (cross_entropy.forward_plan(vocab, vocab_target, reduction="sum"),
+        # the loss with its gradient on wide rows through the lagged kernel (plain, and every option)
+        "cross_entropy, lagged": (cross_entropy.forward_plan(vocab, vocab_target, reduction="sum", lagged=True),
                                   {"logits": vocab, "target": vocab_target}),
         "cross_entropy, lagged, every option": (
             cross_entropy.forward_plan(vocab, vocab_target, vocab_w, label_smoothing=0.1, lse_square_scale=1e-4,
-                                       softcap=30.0, return_z_loss=True),
+                                       softcap=30.0, return_z_loss=True, lagged=True),
             {"logits": vocab, "target": vocab_target, "weight": vocab_w}),
         "jsd on logits": (jsd.chunk_plan(64, 32000, "bfloat16", "bfloat16", None, beta=0.5, ignore_index=-100,
                                          n_total_rows=64, temperature=2.0, compute_grad=True),

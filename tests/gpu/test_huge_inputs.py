@@ -152,8 +152,11 @@ CE_IGNORED = CE_BOUNDARY + 5
 CE_CHECK = [0, CE_BOUNDARY - 1, CE_BOUNDARY, CE_BOUNDARY + 1, CE_IGNORED, CE_N - 1]
 
 
-def test_cross_entropy_past_2_31_elements():
+@pytest.mark.parametrize("lagged", [False, True], ids=["two_pass", "lagged"])
+def test_cross_entropy_past_2_31_elements(lagged, request):
     need_gib(20)
+    if lagged:  # the lagged kernel (rows of 131072 columns: 16 segments), on as from 65536 columns
+        request.getfixturevalue("lagged_from_65536")
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(CE_N, CE_V, generator=gen, device="cuda", dtype=BF16).mul_(2)
     assert x.numel() > LIMIT

@@ -51,7 +51,7 @@ def test_cross_entropy_parity(reduction, option, dtype, device, seed):
 
 @pytest.mark.parametrize("v", [32003, 65541])
 @pytest.mark.parametrize("option", ["plain", "z_softcap"])
-def test_wide_vocab_parity(v, option, device, seed):
+def test_wide_vocab_parity(v, option, device, seed, lagged_from_65536):
     """32003 columns: the row kernel's 8192-column steps at 16 warps (cross_entropy._CE_SWEEPS); 65541: the lagged
     kernel (9 segments, the last 5 columns wide). Both frontends launch them whether the gradient goes over the
     logits (jax) or into its own buffer (torch's default)."""
