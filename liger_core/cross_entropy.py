@@ -61,13 +61,14 @@ _SCALE_PROGRAMS = 1024
 _CE_SWEEPS = ((32000, (8192, 16)),)
 # The lagged kernel (_cross_entropy_lagged_kernel) for the loss with its gradient on rows of at least "from_cols"
 # columns: "segment" columns a job, the gradient jobs "lag" rows after the statistics jobs, "block" columns a
-# step at "num_warps". H100, bf16, 8192x128256 (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_ce_lagged*.txt, the
-# probe scripts/tune_ce_lagged.py): 1.660 ms in place and 1.711 out of place against the two-pass kernel's
-# 1.804 and 1.979; 4096-column blocks at 8 warps 1.93, lag 32 1.72, lag 96-128 2.1 (the rows in between
-# outgrow the L2). At 8192x32000 the two-pass kernel's second sweep already comes from L2 and wins (0.428
-# against 0.62 at 4096/8). Off by default ("from_cols" None) until the library's kernel, tested in the interpreter
-# and compiled for sm_90, has passed its tests on a GPU (the probe, with the same tickets and counts, ran there);
-# then 65536 (tests/conftest.py's ``lagged_from_65536`` runs the frontends' tests that way).
+# step at "num_warps". H100, bf16, 8192x128256 (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_ce_lagged*.txt:
+# a probe with the same order, at commit 04465fc; scripts/tune_ce_lagged.py now sweeps this kernel): 1.660 ms in
+# place and 1.711 out of place against the two-pass kernel's 1.804 and 1.979; 4096-column blocks at 8 warps 1.93,
+# lag 32 1.72, lag 96-128 2.1 (the rows in between outgrow the L2). At 8192x32000 the two-pass kernel's second
+# sweep already comes from L2 and wins (0.428 against 0.62 at 4096/8). Off by default ("from_cols" None) until the
+# library's kernel, tested in the interpreter and compiled for sm_90, has passed its tests on a GPU (the probe,
+# with the same tickets and counts, ran there); then 65536 (tests/conftest.py's ``lagged_from_65536`` runs the
+# frontends' tests that way).
 LAGGED = {"from_cols": None, "segment": 8192, "lag": 64, "block": 2048, "num_warps": 4}
 
 

@@ -13,8 +13,8 @@ step() { local t=$1 name=$2; shift 2; echo "== $name"; timeout "$t" "$@" 2>&1 | 
 # elements), then its launch sweep against the two-pass kernel. If they pass, LAGGED["from_cols"] becomes 65536
 # and the CE benchmark points are measured again.
 step 170 ce_tests env TEST_WORKERS=12 TEST_TIME_LIMIT=150 PYTEST_K="lagged or wide or cross_entropy_past" \
-  LIGER_TESTS="tests/test_cross_entropy_torch.py tests/test_cross_entropy_jax.py tests/parity/test_cross_entropy_parity.py \
-tests/gpu/test_huge_inputs.py" bash scripts/gpu_check.sh tests
+  LIGER_TESTS="tests/test_cross_entropy_torch.py tests/test_cross_entropy_jax.py \
+tests/parity/test_cross_entropy_parity.py tests/gpu/test_huge_inputs.py" bash scripts/gpu_check.sh tests
 step 90 tune_ce_lagged python3 scripts/tune_ce_lagged.py --shapes 8192x128256 8192x65536 --out "$OUT/tune_ce_lagged.txt"
 # What is left of s21-s25's list needs an H200.
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 0

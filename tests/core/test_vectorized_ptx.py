@@ -74,7 +74,8 @@ def test_loss_loops_use_one_instruction_exp2_and_log2(tmp_path):
     tl.exp adds three instructions per element and tl.log ~25, which made the JSD loop issue-bound (~52
     instructions per element, now ~30) and KL against probabilities too (~39, now ~13). The only software logs
     left are the per-row logsumexps (one per row and input)."""
-    per_row_logs = {"cross_entropy": 1, "cross_entropy, lagged": 2, "jsd": 0, "jsd on logits": 2, "kl_div": 0, "kl_div with gradient": 0,
+    per_row_logs = {"cross_entropy": 1, "cross_entropy, lagged": 2, "jsd": 0, "jsd on logits": 2, "kl_div": 0,
+                    "kl_div with gradient": 0,
                     "kl_div, log target, with gradient": 0}
     rows = [r for r in compile_all(tmp_path, *sorted(per_row_logs)) if r["case"] in per_row_logs]
     assert {r["case"] for r in rows} == set(per_row_logs)
