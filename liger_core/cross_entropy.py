@@ -195,6 +195,18 @@ def row_loss_terms(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols, la
 
 
 @triton.jit
+def scaled_by_incoming(a, b, c, G, g_stride, row, HAS_GRAD_SCALE: tl.constexpr):
+    """The gradient terms times the row's incoming gradient (HAS_GRAD_SCALE: reduction='none' chunks of fused
+    linear cross-entropy), else as they are."""
+    if HAS_GRAD_SCALE:
+        g = tl.load(G + row * g_stride).to(tl.float32)
+        a = a * g
+        b = b * g
+        c = c * g
+    return a, b, c
+
+
+@triton.jit
 def gradient_values(x, cols, mask, t_safe, valid, lse, a, b, c, softcap, W, w_stride, HAS_SOFTCAP: tl.constexpr,
                     HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """d loss / d logits at columns ``cols`` of a row, from its logits ``x`` (fp32, before the softcap) and the
@@ -277,11 +289,7 @@ def _cross_entropy_kernel(
 
     # Sweep 2: d loss / d logits = a * softmax - b * onehot(t) - c * w (times 1 - tanh^2 with a softcap).
     if HAS_GRAD:
-        if HAS_GRAD_SCALE:
-            g = tl.load(G + row * g_stride).to(tl.float32)
-            a = a * g
-            b = b * g
-            c = c * g
+        a, b, c = scaled_by_incoming(a, b, c, G, g_stride, row, HAS_GRAD_SCALE)
         n_blocks = tl.cdiv(n_cols, BLOCK_V)
         for i in range(n_blocks):
             cols = chunk_columns(i, n_blocks, BLOCK_V, True)  # last block first: sweep 1's latest, likeliest in L2
@@ -357,10 +365,12 @@ def _cross_entropy_lagged_kernel(
     else:  # gradient job
         grad_seg = GRAD + row * grad_row_stride + start * grad_col_stride
         offsets = tl.arange(0, BLOCK_V)
-        # in flight through the wait; the last read of these logits (evict_first)
-        x_next = tl.load(x_seg + offsets * x_col_stride, mask=offsets < seg_cols, other=0.0,
-                         eviction_policy="evict_first")
         kept = t != ignore_index
+        # An ignored row's gradient is zeros, read from nothing (prompt tokens can be most rows). Its first block's
+        # load is in flight through the wait; the last read of these logits (evict_first).
+        read_cols = tl.where(kept, seg_cols, 0)
+        x_next = tl.load(x_seg + offsets * x_col_stride, mask=offsets < read_cols, other=0.0,
+                         eviction_policy="evict_first")
         valid = (t >= 0) & (t < n_cols)
         t_safe = tl.where(valid, t, 0)
         if kept:
@@ -379,11 +389,7 @@ def _cross_entropy_lagged_kernel(
                                                HAS_Z)
         loss = tl.where(kept, loss, 0.0)
         z_loss = tl.where(kept, z_loss, 0.0)
-        if HAS_GRAD_SCALE:
-            g = tl.load(G + row * g_stride).to(tl.float32)
-            a = a * g
-            b = b * g
-            c = c * g
+        a, b, c = scaled_by_incoming(a, b, c, G, g_stride, row, HAS_GRAD_SCALE)
         if seg == 0:
             tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
             if RETURN_Z:
@@ -392,7 +398,7 @@ def _cross_entropy_lagged_kernel(
             cols = block_start + offsets
             mask = cols < seg_cols
             x = x_next.to(tl.float32)
-            x_next = tl.load(x_seg + (cols + BLOCK_V) * x_col_stride, mask=cols + BLOCK_V < seg_cols, other=0.0,
+            x_next = tl.load(x_seg + (cols + BLOCK_V) * x_col_stride, mask=cols + BLOCK_V < read_cols, other=0.0,
                              eviction_policy="evict_first")
             grad = gradient_values(x, cols + start, mask, t_safe, valid, lse, a, b, c, softcap, W, w_stride,
                                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
