@@ -65,11 +65,12 @@ _CE_SWEEPS = ((32000, (8192, 16)),)
 # a probe with the same order, at commit 04465fc; scripts/tune_ce_lagged.py now sweeps this kernel): 1.660 ms in
 # place and 1.711 out of place against the two-pass kernel's 1.804 and 1.979; 4096-column blocks at 8 warps 1.93,
 # lag 32 1.72, lag 96-128 2.1 (the rows in between outgrow the L2). At 8192x32000 the two-pass kernel's second
-# sweep already comes from L2 and wins (0.428 against 0.62 at 4096/8). Off by default ("from_cols" None) until the
-# library's kernel, tested in the interpreter and compiled for sm_90, has passed its tests on a GPU (the probe,
-# with the same tickets and counts, ran there); then 65536 (tests/conftest.py's ``lagged_from_65536`` runs the
-# frontends' tests that way).
-LAGGED = {"from_cols": None, "segment": 8192, "lag": 64, "block": 2048, "num_warps": 4}
+# sweep already comes from L2 and wins (0.428 against 0.62 at 4096/8). The library's kernel passed its GPU tests
+# (H100, s27) but first ran at 1.93 ms: 79 registers a thread (6 programs an SM) against the probe's 63 (8), the
+# ignored rows' masks costing 15; with an ignored row's gradient jobs in their own branch it compiles to 62.
+# From 65536 columns pending its next sweep (tests/conftest.py's ``lagged_from_65536`` keeps the frontends'
+# tests on it whatever the default).
+LAGGED = {"from_cols": 65536, "segment": 8192, "lag": 64, "block": 2048, "num_warps": 4}
 
 
 @triton.jit
@@ -252,16 +253,9 @@ def _cross_entropy_kernel(
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(T + row * t_stride).to(tl.int64)
     if t == ignore_index:
-        zero = t.to(tl.float32) * 0.0
         if HAS_GRAD:
-            grad_row = GRAD + row * grad_row_stride
-            for start in range(0, n_cols, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                tl.store(grad_row + cols * grad_col_stride,
-                         tl.zeros([BLOCK_V], dtype=tl.float32).to(GRAD.dtype.element_ty), mask=cols < n_cols)
-        tl.store(LOSS + row, zero.to(LOSS.dtype.element_ty))
-        if RETURN_Z:
-            tl.store(Z_LOSS + row, zero.to(Z_LOSS.dtype.element_ty))
+            store_zeros(GRAD + row * grad_row_stride, grad_col_stride, n_cols, BLOCK_V)
+        store_zero_losses(LOSS, Z_LOSS, row, RETURN_Z)
         return
 
     x_row = X + row * x_row_stride
@@ -362,24 +356,24 @@ def _cross_entropy_lagged_kernel(
                 tl.store(X_T + row, x_t)
             tl.debug_barrier()  # every thread's stores before the release
             tl.atomic_add(SYNC + 1 + row, 1, sem="release")
+    elif t == ignore_index:  # gradient job of an ignored row: zeros, from no read and no wait (prompt tokens
+        # can be most rows; its statistics jobs published nothing)
+        store_zeros(GRAD + row * grad_row_stride + start * grad_col_stride, grad_col_stride, seg_cols, BLOCK_V)
+        if seg == 0:
+            store_zero_losses(LOSS, Z_LOSS, row, RETURN_Z)
     else:  # gradient job
         grad_seg = GRAD + row * grad_row_stride + start * grad_col_stride
         offsets = tl.arange(0, BLOCK_V)
-        kept = t != ignore_index
-        # An ignored row's gradient is zeros, read from nothing (prompt tokens can be most rows). Its first block's
-        # load is in flight through the wait; the last read of these logits (evict_first).
-        read_cols = tl.where(kept, seg_cols, 0)
-        x_next = tl.load(x_seg + offsets * x_col_stride, mask=offsets < read_cols, other=0.0,
+        # The first block's load is in flight through the wait; the last read of these logits (evict_first).
+        x_next = tl.load(x_seg + offsets * x_col_stride, mask=offsets < seg_cols, other=0.0,
                          eviction_policy="evict_first")
+        count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
+        while count < N_SEG:
+            count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
+        lse, sum_z, sum_wz, sum_w = combine_segment_stats(parts, N_SEG, N_SEG_P2, HAS_SMOOTHING)
         valid = (t >= 0) & (t < n_cols)
         t_safe = tl.where(valid, t, 0)
-        if kept:
-            count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
-            while count < N_SEG:
-                count = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
-        # An ignored row's statistics were never written: it reads none, and its loss and gradient are zeros.
-        lse, sum_z, sum_wz, sum_w = combine_segment_stats(parts, kept, N_SEG, N_SEG_P2, HAS_SMOOTHING)
-        x_t = tl.load(X_T + row, mask=valid & kept, other=0.0, cache_modifier=".cg")
+        x_t = tl.load(X_T + row, mask=valid, other=0.0, cache_modifier=".cg")
         if HAS_WEIGHT:
             w_t = tl.load(W + t_safe * w_stride).to(tl.float32)
         else:
@@ -387,8 +381,6 @@ def _cross_entropy_lagged_kernel(
         loss, z_loss, a, b, c = row_loss_terms(lse, sum_z, sum_wz, sum_w, x_t, w_t, valid, DENOM, n_cols,
                                                label_smoothing, lse_square_scale, MEAN, HAS_SMOOTHING, HAS_WEIGHT,
                                                HAS_Z)
-        loss = tl.where(kept, loss, 0.0)
-        z_loss = tl.where(kept, z_loss, 0.0)
         a, b, c = scaled_by_incoming(a, b, c, G, g_stride, row, HAS_GRAD_SCALE)
         if seg == 0:
             tl.store(LOSS + row, loss.to(LOSS.dtype.element_ty))
@@ -398,25 +390,38 @@ def _cross_entropy_lagged_kernel(
             cols = block_start + offsets
             mask = cols < seg_cols
             x = x_next.to(tl.float32)
-            x_next = tl.load(x_seg + (cols + BLOCK_V) * x_col_stride, mask=cols + BLOCK_V < read_cols, other=0.0,
+            x_next = tl.load(x_seg + (cols + BLOCK_V) * x_col_stride, mask=cols + BLOCK_V < seg_cols, other=0.0,
                              eviction_policy="evict_first")
             grad = gradient_values(x, cols + start, mask, t_safe, valid, lse, a, b, c, softcap, W, w_stride,
                                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT)
-            grad = tl.where(kept, grad, 0.0)
             tl.store(grad_seg + cols * grad_col_stride, cast(grad, GRAD.dtype.element_ty), mask=mask,
                      cache_modifier=".cs")
 
 
 @triton.jit
-def combine_segment_stats(parts, published, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr,
-                          HAS_SMOOTHING: tl.constexpr):
+def store_zeros(ptr, col_stride, n_cols, BLOCK: tl.constexpr):
+    """Zeros into ``n_cols`` columns of one row (an ignored row's gradient)."""
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(ptr + cols * col_stride, tl.zeros([BLOCK], dtype=tl.float32).to(ptr.dtype.element_ty),
+                 mask=cols < n_cols)
+
+
+@triton.jit
+def store_zero_losses(LOSS, Z_LOSS, row, RETURN_Z: tl.constexpr):
+    """An ignored row's loss (and z-loss): 0."""
+    tl.store(LOSS + row, tl.zeros([], dtype=LOSS.dtype.element_ty))
+    if RETURN_Z:
+        tl.store(Z_LOSS + row, tl.zeros([], dtype=Z_LOSS.dtype.element_ty))
+
+
+@triton.jit
+def combine_segment_stats(parts, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
     """A row's ``(logsumexp, sum x, sum w x, sum w)`` from its segments' (``parts``: N_SEG of each, written by
-    other programs: loaded from L2, not L1), combined in segment order; finite values, not read, unless
-    ``published``."""
+    other programs: loaded from L2, not L1), combined in segment order."""
     segs = tl.arange(0, N_SEG_P2)
-    present = segs < N_SEG
-    read = present & published
-    lse_parts = tl.where(present, tl.load(parts + segs, mask=read, other=0.0, cache_modifier=".cg"), float("-inf"))
+    read = segs < N_SEG
+    lse_parts = tl.load(parts + segs, mask=read, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse_parts, axis=0)
     lse = m + tl.log(tl.sum(exp_ftz(lse_parts - m), axis=0))
     sum_z = 0.0

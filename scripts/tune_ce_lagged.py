@@ -22,8 +22,8 @@ from liger_torch._launch import info, run_plan
 import _gpu_tables as gpu_tables  # scripts/, the directory Python puts first on the path
 
 # (segment, lag, block, num_warps), the default first
-CONFIGS = [(8192, 64, 2048, 4), (8192, 48, 2048, 4), (8192, 96, 2048, 4), (16384, 64, 2048, 4), (8192, 64, 1024, 2),
-           (4096, 128, 1024, 4)]
+CONFIGS = [(8192, 64, 2048, 4), (8192, 48, 2048, 4), (8192, 96, 2048, 4), (8192, 128, 2048, 4), (16384, 64, 2048, 4),
+           (8192, 64, 1024, 2), (8192, 64, 4096, 8)]
 COPY_GBPS = float(os.environ.get("COPY_GBPS", "3054"))  # the H100's copy rate of s25 (4277 on the H200)
 
 

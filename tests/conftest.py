@@ -60,10 +60,9 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(liger_torch._launch, "POISON_OUTPUTS", True)
 
 
-@pytest.fixture
-def lagged_from_65536(monkeypatch):
-    """Cross-entropy's lagged kernel as the default from 65536 columns (``LAGGED["from_cols"]``, off in the
-    library until it has passed on a GPU), the plan caches cleared on the way in and out."""
+def _lagged_from(monkeypatch, from_cols):
+    """Cross-entropy's lagged kernel as the default from ``from_cols`` columns (None: never), the plan caches
+    cleared on the way in and out."""
     from liger_core import cross_entropy
 
     def clear():
@@ -71,7 +70,20 @@ def lagged_from_65536(monkeypatch):
         cross_entropy.chunk_plan.cache_clear()
 
     clear()
-    monkeypatch.setitem(cross_entropy.LAGGED, "from_cols", 65536)
+    monkeypatch.setitem(cross_entropy.LAGGED, "from_cols", from_cols)
     yield
     monkeypatch.undo()
     clear()
+
+
+@pytest.fixture
+def lagged_from_65536(monkeypatch):
+    """Cross-entropy's lagged kernel from 65536 columns (``LAGGED["from_cols"]``), whatever the library's
+    default: the frontends' tests of wide rows stay on it."""
+    yield from _lagged_from(monkeypatch, 65536)
+
+
+@pytest.fixture
+def lagged_off(monkeypatch):
+    """Cross-entropy's two-pass kernel at every width."""
+    yield from _lagged_from(monkeypatch, None)
