@@ -36,7 +36,8 @@ import triton.language as tl
 
 from .tl_math import aligned, cast, chunk_columns, exp_ftz, exp_minus_abs_ftz, tanh
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, by_width, cdiv, check_float, check_int, check_last_axis_span,
+    ITEMSIZE, ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, by_width, cdiv, check_float, check_int,
+    check_last_axis_span,
     check_nonempty, contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
 )
 from .rowwise import row_view
@@ -67,10 +68,14 @@ _CE_SWEEPS = ((32000, (8192, 16)),)
 # lag 32 1.72, lag 96-128 2.1 (the rows in between outgrow the L2). At 8192x32000 the two-pass kernel's second
 # sweep already comes from L2 and wins (0.428 against 0.62 at 4096/8). The library's kernel passed its GPU tests
 # (H100, s27) but first ran at 1.93 ms: 79 registers a thread (6 programs an SM) against the probe's 63 (8), the
-# ignored rows' masks costing 15; with an ignored row's gradient jobs in their own branch it compiles to 62.
-# From 65536 columns pending its next sweep (tests/conftest.py's ``lagged_from_65536`` keeps the frontends'
-# tests on it whatever the default).
-LAGGED = {"from_cols": 65536, "segment": 8192, "lag": 64, "block": 2048, "num_warps": 4}
+# ignored rows' masks costing 15; with an ignored row's gradient jobs in their own branch it compiles to 62 and
+# ran at 1.756 in place (LAG 48: 1.739) and 1.801 out of place (two-pass 1.804 / 1.980; benchmark fwd+bwd 1.664
+# against 1.702, jax 1.937 against 2.155). What the L2 must hold between a segment's two reads is bytes, so the
+# lag is "lag_bytes" of rows (12 MiB: 49 rows of 128256 bf16 columns); at 8192x65536 and 8192x256000 the lagged
+# kernel lost at LAG 64 (in place 0.948 against 0.845, 4.27 against 3.88). Rows of "from_cols" up to
+# "below_cols" columns take it (None: no bound); h100-80gb-hbm3-2026-12-07-tune_ce_lagged4.txt.
+LAGGED = {"from_cols": 98304, "below_cols": 196608, "segment": 8192, "lag_bytes": 12 * 2**20, "block": 2048,
+          "num_warps": 4}
 
 
 @triton.jit
@@ -596,7 +601,8 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
     rows_out = NewBuffer("loss_rows", tuple(loss_shape), loss_dtype)
     if compute_grad and (uses_lagged(n_cols) if lagged is None else lagged is not False):
         segment = LAGGED["segment"] if lagged in (None, True) else lagged
-        return _lagged_launch(common_args, options, flags, n_rows, n_cols, segment, (rows_out, z_out, grad))
+        return _lagged_launch(common_args, options, flags, n_rows, n_cols, logits.dtype, segment,
+                              (rows_out, z_out, grad))
     bv, warps = ce_block_and_warps(n_cols)
     return Launch(kernel=_cross_entropy_kernel, grid=(n_rows,), args=common_args + (n_cols,) + options,
                   outputs=(rows_out, z_out, grad),
@@ -604,12 +610,19 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
 
 
 def uses_lagged(n_cols: int) -> bool:
-    """Whether the loss with its gradient takes the lagged kernel by default (rows of LAGGED["from_cols"]+)."""
-    return LAGGED["from_cols"] is not None and n_cols >= LAGGED["from_cols"]
+    """Whether the loss with its gradient takes the lagged kernel by default (rows of LAGGED["from_cols"] up to,
+    not including, LAGGED["below_cols"] columns)."""
+    low, high = LAGGED["from_cols"], LAGGED["below_cols"]
+    return low is not None and n_cols >= low and (high is None or n_cols < high)
 
 
-def _lagged_launch(common_args: tuple, options: tuple, flags: dict, n_rows: int, n_cols: int, segment: int,
-                   outputs: tuple) -> Launch:
+def lag_rows(n_cols: int, dtype: str) -> int:
+    """Rows between a segment's statistics job and its gradient job: LAGGED["lag_bytes"] of rows, 1 to 256."""
+    return max(1, min(256, int(LAGGED["lag_bytes"]) // (n_cols * ITEMSIZE[dtype])))
+
+
+def _lagged_launch(common_args: tuple, options: tuple, flags: dict, n_rows: int, n_cols: int, dtype: str,
+                   segment: int, outputs: tuple) -> Launch:
     """The lagged kernel's launch: a grid of (n_rows + lag) slots of 2 x segments jobs of ``segment`` columns,
     with its scratch (the tickets and per-row counts, zero-filled; the segments' statistics; the target
     logits)."""
@@ -617,7 +630,7 @@ def _lagged_launch(common_args: tuple, options: tuple, flags: dict, n_rows: int,
         raise ValueError(f"lagged must be None, a bool or a power of two >= 16 (a segment width), got {segment!r}")
     segment = min(segment, next_power_of_2(n_cols))
     n_seg = cdiv(n_cols, segment)
-    lag = LAGGED["lag"]
+    lag = lag_rows(n_cols, dtype)
     return Launch(
         kernel=_cross_entropy_lagged_kernel,
         grid=((n_rows + lag) * 2 * n_seg,),

@@ -61,7 +61,7 @@ def poison_outputs(monkeypatch):
 
 
 def _lagged_from(monkeypatch, from_cols):
-    """Cross-entropy's lagged kernel as the default from ``from_cols`` columns (None: never), the plan caches
+    """Cross-entropy's lagged kernel as the default from ``from_cols`` columns up (None: never), the plan caches
     cleared on the way in and out."""
     from liger_core import cross_entropy
 
@@ -71,6 +71,7 @@ def _lagged_from(monkeypatch, from_cols):
 
     clear()
     monkeypatch.setitem(cross_entropy.LAGGED, "from_cols", from_cols)
+    monkeypatch.setitem(cross_entropy.LAGGED, "below_cols", None)
     yield
     monkeypatch.undo()
     clear()
@@ -78,8 +79,8 @@ def _lagged_from(monkeypatch, from_cols):
 
 @pytest.fixture
 def lagged_from_65536(monkeypatch):
-    """Cross-entropy's lagged kernel from 65536 columns (``LAGGED["from_cols"]``), whatever the library's
-    default: the frontends' tests of wide rows stay on it."""
+    """Cross-entropy's lagged kernel from 65536 columns up (``LAGGED``), whatever the library's default: the
+    frontends' tests of wide rows stay on it."""
     yield from _lagged_from(monkeypatch, 65536)
 
 

@@ -433,7 +433,8 @@ def test_scale_strides_over_more_tiles_than_programs(in_place, g, device, seed):
     assert torch.equal(out, expected)
 
 
-LAGGED_CASES = [(7, 1000, 64), (5, 259, 16), (1, 77, 32), (9, 300, 128)]  # (rows, vocab, segment)
+# (rows, vocab, segment, lag rows: gradient jobs interleaved with later rows' statistics jobs, or after them all)
+LAGGED_CASES = [(7, 1000, 64, 2), (5, 259, 16, 1), (1, 77, 32, None), (9, 300, 128, 3)]
 
 
 def run_lagged(x, t, lagged, reduction, opts, in_place=False):
@@ -453,12 +454,16 @@ def run_lagged(x, t, lagged, reduction, opts, in_place=False):
     return run_plan(plan, **inputs)
 
 
-@pytest.mark.parametrize("n,v,segment", LAGGED_CASES)
+@pytest.mark.parametrize("n,v,segment,lag", LAGGED_CASES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_lagged_kernel_matches_the_reference(n, v, segment, reduction, option, device, seed):
+def test_lagged_kernel_matches_the_reference(n, v, segment, lag, reduction, option, device, seed, monkeypatch):
     """The lagged kernel (rows cut into segments, statistics and gradient jobs in one grid) against float64
-    torch, segments forced narrow so the small rows have several (and a partial last one), a row ignored."""
+    torch, segments forced narrow so the small rows have several (and a partial last one), a row ignored, the
+    lag short enough for gradient jobs to run between later rows' statistics jobs."""
+    if lag is not None:
+        monkeypatch.setitem(liger_core.cross_entropy.LAGGED, "lag_bytes", lag * v * 4)
+        assert liger_core.cross_entropy.lag_rows(v, "float32") == lag
     x, t, w, gen = draw(seed, n, v, torch.float32, device=device)
     t[n // 2] = -100
     t[0] = v - 1  # a target in the partial last segment
@@ -487,9 +492,10 @@ def test_lagged_kernel_half_precision_agrees_with_the_two_pass_kernel(dtype, in_
         assert_close(b, a.double(), dtype, name)
 
 
-def test_lagged_kernel_by_width(lagged_from_65536):
-    """With the lagged kernel on from 65536 columns, such rows take it for the loss with its gradient; the loss
-    alone, and narrower rows, the two-pass one."""
+def test_lagged_kernel_by_width():
+    """By default rows of 98304 up to 196607 columns take the lagged kernel for the loss with its gradient (it
+    lost at 65536 and 256000 on an H100); the loss alone, and other widths, the two-pass one. Its lag is 12 MiB
+    of rows."""
     from liger_core.launch import ArrayInfo
 
     core = liger_core.cross_entropy
@@ -500,12 +506,22 @@ def test_lagged_kernel_by_width(lagged_from_65536):
         return {launch.kernel for launch in plan.launches} & {core._cross_entropy_kernel,
                                                               core._cross_entropy_lagged_kernel}
 
-    assert core.uses_lagged(65536) and not core.uses_lagged(65535)
-    assert kernel(128256) == kernel(65536) == {core._cross_entropy_lagged_kernel}
-    assert kernel(65535) == kernel(128256, compute_grad=False) == kernel(128256, lagged=False) == {
+    assert core.uses_lagged(98304) and core.uses_lagged(196607)
+    assert not core.uses_lagged(98303) and not core.uses_lagged(196608)
+    assert kernel(128256) == kernel(98304) == {core._cross_entropy_lagged_kernel}
+    assert kernel(65536) == kernel(256000) == kernel(128256, compute_grad=False) == kernel(128256, lagged=False) == {
         core._cross_entropy_kernel}
+    assert kernel(1000, lagged=True) == {core._cross_entropy_lagged_kernel}
     with pytest.raises(ValueError, match="lagged"):
         kernel(1000, lagged=48)
+    assert core.lag_rows(128256, "bfloat16") == 49 and core.lag_rows(128256, "float32") == 24
+    assert core.lag_rows(1000, "bfloat16") == 256 and core.lag_rows(10**8, "float32") == 1
+
+
+def test_lagged_from_65536_fixture_has_no_upper_bound(lagged_from_65536):
+    """The fixture the frontends' wide-row tests take: the lagged kernel from 65536 columns, at any width."""
+    core = liger_core.cross_entropy
+    assert core.uses_lagged(65536) and core.uses_lagged(10**6) and not core.uses_lagged(65535)
 
 
 def test_lagged_kernel_is_bitwise_deterministic(device, seed):
