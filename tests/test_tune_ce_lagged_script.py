@@ -16,7 +16,8 @@ def test_plans_take_the_swept_settings_and_restore_the_defaults():
     x = torch.randn(5, 1000).to(torch.bfloat16)
     target = torch.randint(0, 1000, (5,))
     defaults = dict(cross_entropy.LAGGED)
-    plan = tune_ce_lagged.plan_with({"segment": 256, "lag_bytes": 3 * 1000 * 2, "block": 64, "num_warps": 2}, x, target, True)
+    settings = {"segment": 256, "lag_bytes": 3 * 1000 * 2, "block": 64, "num_warps": 2}  # a lag of 3 rows
+    plan = tune_ce_lagged.plan_with(settings, x, target, True)
     (launch,) = [launch for launch in plan.launches if launch.kernel is cross_entropy._cross_entropy_lagged_kernel]
     assert (launch.constexprs["SEG"], launch.constexprs["LAG"], launch.constexprs["BLOCK_V"], launch.num_warps) == (
         256, 3, 64, 2)
