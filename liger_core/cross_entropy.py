@@ -71,10 +71,12 @@ _CE_SWEEPS = ((32000, (8192, 16)),)
 # ignored rows' masks costing 15; with an ignored row's gradient jobs in their own branch it compiles to 62 and
 # ran at 1.756 in place (LAG 48: 1.739) and 1.801 out of place (two-pass 1.804 / 1.980; benchmark fwd+bwd 1.664
 # against 1.702, jax 1.937 against 2.155). What the L2 must hold between a segment's two reads is bytes, so the
-# lag is "lag_bytes" of rows (12 MiB: 49 rows of 128256 bf16 columns); at 8192x65536 and 8192x256000 the lagged
-# kernel lost at LAG 64 (in place 0.948 against 0.845, 4.27 against 3.88). Rows of "from_cols" up to
-# "below_cols" columns take it (None: no bound); h100-80gb-hbm3-2026-12-07-tune_ce_lagged4.txt.
-LAGGED = {"from_cols": 98304, "below_cols": 196608, "segment": 8192, "lag_bytes": 12 * 2**20, "block": 2048,
+# lag is "lag_bytes" of rows: 12 MiB (49 rows of 128256 bf16 columns) won at every width, in place and out of place
+# (8 MiB: 4-6% slower, 16 MiB: 1-3%, 24 MiB: the three-pass level), against the two-pass kernel 1.739 / 1.751 ms
+# against 1.804 / 1.980 at 8192x128256, 3.446 / 3.471 against 3.883 / 4.077 at 8192x256000; at 8192x65536 only
+# out of place (0.896 against 0.945; in place 0.890 against 0.844). So rows of "from_cols" columns up take it
+# ("below_cols": an upper bound, None for none); h100-80gb-hbm3-2026-12-07-tune_ce_lagged{4,5}.txt.
+LAGGED = {"from_cols": 98304, "below_cols": None, "segment": 8192, "lag_bytes": 12 * 2**20, "block": 2048,
           "num_warps": 4}
 
 

@@ -493,9 +493,8 @@ def test_lagged_kernel_half_precision_agrees_with_the_two_pass_kernel(dtype, in_
 
 
 def test_lagged_kernel_by_width():
-    """By default rows of 98304 up to 196607 columns take the lagged kernel for the loss with its gradient (it
-    lost at 65536 and 256000 on an H100); the loss alone, and other widths, the two-pass one. Its lag is 12 MiB
-    of rows."""
+    """By default rows of 98304 columns up take the lagged kernel for the loss with its gradient (in place it
+    lost at 65536 on an H100); the loss alone, and narrower rows, the two-pass one. Its lag is 12 MiB of rows."""
     from liger_core.launch import ArrayInfo
 
     core = liger_core.cross_entropy
@@ -506,10 +505,9 @@ def test_lagged_kernel_by_width():
         return {launch.kernel for launch in plan.launches} & {core._cross_entropy_kernel,
                                                               core._cross_entropy_lagged_kernel}
 
-    assert core.uses_lagged(98304) and core.uses_lagged(196607)
-    assert not core.uses_lagged(98303) and not core.uses_lagged(196608)
-    assert kernel(128256) == kernel(98304) == {core._cross_entropy_lagged_kernel}
-    assert kernel(65536) == kernel(256000) == kernel(128256, compute_grad=False) == kernel(128256, lagged=False) == {
+    assert core.uses_lagged(98304) and core.uses_lagged(10**6) and not core.uses_lagged(98303)
+    assert kernel(128256) == kernel(98304) == kernel(256000) == {core._cross_entropy_lagged_kernel}
+    assert kernel(65536) == kernel(128256, compute_grad=False) == kernel(128256, lagged=False) == {
         core._cross_entropy_kernel}
     assert kernel(1000, lagged=True) == {core._cross_entropy_lagged_kernel}
     with pytest.raises(ValueError, match="lagged"):
