@@ -4,10 +4,10 @@ One program per row reads the row twice: an online softmax in fp32 over vocab bl
 exponentials, plus the sums label smoothing needs), then a second sweep that writes the gradient of the
 (already reduced) loss with respect to the logits, either over the logits themselves (in place) or into a
 fresh buffer. The backward is then a scale of that gradient by the incoming one (:func:`backward_plan`).
-For rows of 65536+ columns there is a lagged kernel for the loss with its gradient: the row cut into segments
-whose statistics and gradient jobs run in one grid, the gradient jobs a few MB of traffic behind, so that the
-second read comes from L2 (:func:`_cross_entropy_lagged_kernel`; ``lagged=True`` in the plans, the default from
-65536 columns once it has passed on a GPU: ``LAGGED``).
+For the loss with its gradient on rows of 98304+ columns there is a lagged kernel: the row cut into segments
+whose statistics and gradient jobs run in one grid, the gradient jobs ~12 MiB of rows behind, so that the
+second read comes from L2 (:func:`_cross_entropy_lagged_kernel`; chosen by width, ``LAGGED``, or by ``lagged=``
+in the plans).
 
 Options follow ``torch.nn.functional.cross_entropy``:
 
@@ -37,8 +37,7 @@ import triton.language as tl
 from .tl_math import aligned, cast, chunk_columns, exp_ftz, exp_minus_abs_ftz, tanh
 from .launch import (
     ITEMSIZE, ArrayInfo, Buf, Launch, NewBuffer, Plan, as_real, by_width, cdiv, check_float, check_int,
-    check_last_axis_span,
-    check_nonempty, contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
+    check_last_axis_span, check_nonempty, contiguous_strides, next_power_of_2, sweep_block_and_warps, warps_for,
 )
 from .rowwise import row_view
 from .reduce import sum_partial_pairs_launch, sum_partials_launch
@@ -61,23 +60,15 @@ _SCALE_PROGRAMS = 1024
 # 0.854 against 0.926 at 2048/8 (4096/8's 0.831 would win there by 3%, and lose 8% out of place).
 _CE_SWEEPS = ((32000, (8192, 16)),)
 # The lagged kernel (_cross_entropy_lagged_kernel) for the loss with its gradient on rows of at least "from_cols"
-# columns: "segment" columns a job, the gradient jobs "lag" rows after the statistics jobs, "block" columns a
-# step at "num_warps". H100, bf16, 8192x128256 (benchmarks/results/h100-80gb-hbm3-2026-12-07-tune_ce_lagged*.txt:
-# a probe with the same order, at commit 04465fc; scripts/tune_ce_lagged.py now sweeps this kernel): 1.660 ms in
-# place and 1.711 out of place against the two-pass kernel's 1.804 and 1.979; 4096-column blocks at 8 warps 1.93,
-# lag 32 1.72, lag 96-128 2.1 (the rows in between outgrow the L2). At 8192x32000 the two-pass kernel's second
-# sweep already comes from L2 and wins (0.428 against 0.62 at 4096/8). The library's kernel passed its GPU tests
-# (H100, s27) but first ran at 1.93 ms: 79 registers a thread (6 programs an SM) against the probe's 63 (8), the
-# ignored rows' masks costing 15; with an ignored row's gradient jobs in their own branch it compiles to 62 and
-# ran at 1.756 in place (LAG 48: 1.739) and 1.801 out of place (two-pass 1.804 / 1.980; benchmark fwd+bwd 1.664
-# against 1.702, jax 1.937 against 2.155). What the L2 must hold between a segment's two reads is bytes, so the
-# lag is "lag_bytes" of rows: 12 MiB (49 rows of 128256 bf16 columns) won at every width, in place and out of place
-# (8 MiB: 4-6% slower, 16 MiB: 1-3%, 24 MiB: the three-pass level), against the two-pass kernel 1.739 / 1.751 ms
-# against 1.804 / 1.980 at 8192x128256, 3.446 / 3.471 against 3.883 / 4.077 at 8192x256000; at 8192x65536 only
-# out of place (0.896 against 0.945; in place 0.890 against 0.844). So rows of "from_cols" columns up take it
-# ("below_cols": an upper bound, None for none); h100-80gb-hbm3-2026-12-07-tune_ce_lagged{4,5}.txt.
-LAGGED = {"from_cols": 98304, "below_cols": None, "segment": 8192, "lag_bytes": 12 * 2**20, "block": 2048,
-          "num_warps": 4}
+# columns (None: never): "segment" columns a job, the gradient jobs "lag_bytes" of rows (1 to 256 rows) after the
+# statistics jobs (what the L2 must hold between a segment's two reads is bytes), "block" columns a step at
+# "num_warps". H100, bf16, in place / out of place, ms (results/h100-80gb-hbm3-2026-12-07-tune_ce_lagged5.txt;
+# perf-log, twenty-sixth and twenty-seventh sessions): 8192x128256 1.739 / 1.751 against the two-pass kernel's
+# 1.804 / 1.980; 8192x256000 3.446 / 3.471 against 3.883 / 4.077; 8192x65536 0.890 / 0.896 against 0.844 / 0.945
+# (in place it loses: from 98304). 8 MiB ran 4-6% slower, 16 MiB 1-3%, 24 MiB at the three-pass level; 16384-column
+# segments and 1024 columns at 2 warps 1-9% slower. The launch needs <= 64 registers a thread (8 programs an SM):
+# at 79 it ran at 1.93 ms (tests/core/test_vectorized_ptx.py).
+LAGGED = {"from_cols": 98304, "segment": 8192, "lag_bytes": 12 * 2**20, "block": 2048, "num_warps": 4}
 
 
 @triton.jit
@@ -440,6 +431,7 @@ def combine_segment_stats(parts, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr, HA
         sum_w = tl.sum(tl.load(parts + 3 * N_SEG + segs, mask=read, other=0.0, cache_modifier=".cg"), axis=0)
     return lse, sum_z, sum_wz, sum_w
 
+
 @triton.jit
 def _scale_rows_kernel(
     GRAD, row_stride, col_stride,
@@ -612,10 +604,8 @@ def rows_launch(logits: ArrayInfo, target: ArrayInfo, weight: ArrayInfo | None, 
 
 
 def uses_lagged(n_cols: int) -> bool:
-    """Whether the loss with its gradient takes the lagged kernel by default (rows of LAGGED["from_cols"] up to,
-    not including, LAGGED["below_cols"] columns)."""
-    low, high = LAGGED["from_cols"], LAGGED["below_cols"]
-    return low is not None and n_cols >= low and (high is None or n_cols < high)
+    """Whether the loss with its gradient takes the lagged kernel by default (rows of LAGGED["from_cols"]+)."""
+    return LAGGED["from_cols"] is not None and n_cols >= LAGGED["from_cols"]
 
 
 def lag_rows(n_cols: int, dtype: str) -> int:

@@ -71,7 +71,6 @@ def _lagged_from(monkeypatch, from_cols):
 
     clear()
     monkeypatch.setitem(cross_entropy.LAGGED, "from_cols", from_cols)
-    monkeypatch.setitem(cross_entropy.LAGGED, "below_cols", None)
     yield
     monkeypatch.undo()
     clear()

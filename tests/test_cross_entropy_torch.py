@@ -516,7 +516,7 @@ def test_lagged_kernel_by_width():
     assert core.lag_rows(1000, "bfloat16") == 256 and core.lag_rows(10**8, "float32") == 1
 
 
-def test_lagged_from_65536_fixture_has_no_upper_bound(lagged_from_65536):
+def test_lagged_from_65536_fixture(lagged_from_65536):
     """The fixture the frontends' wide-row tests take: the lagged kernel from 65536 columns, at any width."""
     core = liger_core.cross_entropy
     assert core.uses_lagged(65536) and core.uses_lagged(10**6) and not core.uses_lagged(65535)
