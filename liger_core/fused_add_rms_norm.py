@@ -19,14 +19,14 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_finite, check_float, check_same_shape,
+    ITEMSIZE, ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_finite, check_float, check_same_shape,
     promote, warps_for,
 )
 from .reduce import sum_partials_launch
 from .rms_norm import (
     CASTING_MODES, ROW_DOTS_SWEEP, _check_inputs, backward_variant, chunk_mask, chunked_rows, first_sweep_start,
-    first_sweep_step, load_chunk, load_scale, normalize_and_scale, output_dtype, rms_norm_backward_kernel,
-    row_dots_launch,
+    first_sweep_step, lagged_backward_launch, load_chunk, load_scale, normalize_and_scale, output_dtype,
+    rms_norm_backward_kernel, row_dots_launch, uses_lagged_backward,
 )
 from .rowwise import (
     ChunkedSweep, backward_tiles, gradient_output, held_rows_for, norm_forward_launch, row_view, rows_in_group,
@@ -181,7 +181,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
                   separate_residual_grad: bool = True,
                   groups: int = 1, programs_per_sm: int | None = None, block_m: int | None = None,
                   num_warps: int | None = None, prefetch: bool | None = None,
-                  reload: bool | None = None, column_block: int | None = None) -> Plan:
+                  reload: bool | None = None, column_block: int | None = None,
+                  lagged: bool | int | None = None) -> Plan:
     """Plan for ``dx, dresidual, dw = fused_add_rms_norm_backward(dy, dh, h, weight, rstd)``.
 
     Inputs ``dy`` (gradient of y), ``dh`` (gradient of the returned h; None when it has none), ``h``, ``rstd``
@@ -191,7 +192,8 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     ``in_place``) dresidual over dh, where the dtypes agree and the gradient is dense. ``groups`` as in
     :func:`liger_core.rms_norm.backward_plan`; ``programs_per_sm``, ``block_m``, ``num_warps``, ``prefetch``,
     ``reload`` and ``column_block`` override the launch configuration (for tuning and tests;
-    :func:`liger_core.rms_norm.backward_variant`, :func:`liger_core.rowwise.backward_tiles`).
+    :func:`liger_core.rms_norm.backward_variant`, :func:`liger_core.rowwise.backward_tiles`); ``lagged`` chooses
+    the kernel of wide rows (:func:`liger_core.rms_norm.uses_lagged_backward`).
     """
     _check_inputs(h, weight, casting_mode)
     check_finite(offset, "offset")
@@ -220,6 +222,20 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
     else:
         dr, dr_strides = NewBuffer("dresidual", (1,), residual_dtype), (0, 0)
     has_weight = weight is not None
+    inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)
+    outputs = ["dx"] + (["dresidual"] if separate_residual_grad else [])
+    if uses_lagged_backward(n_cols, groups, lagged, column_block):
+        launch, n_blocks = lagged_backward_launch(
+            (Buf("dy"), dy_row_stride, dy_col_stride, Buf("dh" if dh is not None else "rstd"), dh_row_stride,
+             dh_col_stride, Buf("h"), h_row_stride, h_col_stride, Buf("weight" if has_weight else "h"),
+             weight.strides[0] if has_weight else 0, Buf("rstd"), *dx_strides, *dr_strides),
+            n_rows, n_cols, offset, ITEMSIZE[dy.dtype] + ITEMSIZE[h.dtype], (dx, dr),
+            {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0,
+             "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad}, lagged or True)
+        launches = [launch]
+        if has_weight:
+            launches.append(sum_partials_launch("dw_partial", "dw", 1, n_blocks, n_cols, weight.dtype))
+        return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs + ["dw"] * has_weight))
     main = Launch(
         kernel=rms_norm_backward_kernel,
         grid=(n_programs, groups, tiles.column_blocks),
@@ -236,12 +252,10 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
                     "PREFETCH": prefetch, "RELOAD": reload, "ROW_DOTS": tiles.split},
         num_warps=num_warps or warps_for(tiles.block_m * tiles.block_n),
     )
-    inputs = ("dy",) + (("dh",) if dh is not None else ()) + ("h",) + (("weight",) if has_weight else ()) + ("rstd",)
     launches = [main]
     if tiles.split:  # the row sums read dy and h before the main launch may write dx over dy
         launches.insert(0, row_dots_launch(("dy", dy_row_stride, dy_col_stride), ("h", h_row_stride, h_col_stride),
                                            weight, offset, n_rows, n_cols, tiles.row_sums))
-    outputs = ["dx"] + (["dresidual"] if separate_residual_grad else [])
     if has_weight:
         launches.append(sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype))
         outputs.append("dw")

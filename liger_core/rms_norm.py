@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ArrayInfo, Buf, Launch, NewBuffer, Plan, check_eps, check_finite, check_float, check_last_axis_span, check_nonempty,
-    promote, warps_for,
+    ITEMSIZE, ArrayInfo, Buf, Launch, NewBuffer, Plan, cdiv, check_eps, check_finite, check_float, check_last_axis_span,
+    check_nonempty, next_power_of_2, promote, warps_for,
 )
 from .reduce import sum_partials_launch
 from .rowwise import (
@@ -52,6 +52,12 @@ _BACKWARD_PROGRAMS_PER_SM = 1
 # chunks at 16 warps, the next chunk's dy and x loads issued first (ptxas: 64 registers, two programs an SM; not
 # yet measured).
 ROW_DOTS_SWEEP = ChunkedSweep(chunk=8192, num_warps=16, prefetch=True)
+# The lagged backward (_rms_norm_lagged_backward_kernel; RMSNorm's and fused add+RMSNorm's) on rows of at least
+# "from_cols" columns (None: never) in one group: blocks of "rows" rows cut into "segment"-column jobs, the
+# gradient jobs "lag_bytes" of dy and x (1 to 64 blocks, at most all) after the dot jobs, "block" columns a step at
+# "num_warps". Not yet measured: the first values mirror cross-entropy's lagged kernel (cross_entropy.LAGGED).
+LAGGED_BACKWARD = {"from_cols": 32768, "segment": 8192, "rows": 16, "lag_bytes": 12 * 2**20, "block": 1024,
+                   "num_warps": 4}
 
 
 @triton.jit
@@ -415,6 +421,147 @@ def rms_norm_backward_kernel(
         tl.store(DW_PARTIAL + slot * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
+@triton.jit
+def lagged_step_position(first_row, seg_start, i, n_rows, seg_cols, R: tl.constexpr, BLOCK: tl.constexpr,
+                         ROWS_INNER: tl.constexpr):
+    """Where step ``i`` of a lagged backward job's sweep over its R rows x seg_cols columns is: ``(row, cols,
+    mask)`` (row an int64 scalar; cols int32: 64-bit column vectors take twice the registers). ROWS_INNER
+    (gradient jobs): a column block's R rows in turn, so one weight-gradient accumulator a block; else (dot
+    jobs) a row's blocks in turn. Recomputed where needed rather than carried across the loop (registers)."""
+    if ROWS_INNER:
+        r = i % R
+        block_start = (i // R) * BLOCK
+    else:
+        n_blocks = tl.cdiv(seg_cols, BLOCK)
+        r = i // n_blocks
+        block_start = (i % n_blocks) * BLOCK
+    row = first_row + r
+    local = block_start + tl.arange(0, BLOCK)
+    return row, seg_start + local, (local < seg_cols) & (row < n_rows)
+
+
+@triton.jit
+def lagged_step_loads(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride, first_row, seg_start, i,
+                      n_rows, seg_cols, R: tl.constexpr, BLOCK: tl.constexpr, ROWS_INNER: tl.constexpr):
+    """dy and x of step ``i`` (lagged_step_position); ``n_rows`` 0 loads nothing (past the last step)."""
+    row, cols, mask = lagged_step_position(first_row, seg_start, i, n_rows, seg_cols, R, BLOCK, ROWS_INNER)
+    dy = tl.load(DY + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0)
+    x = tl.load(X + row * x_row_stride + cols * x_col_stride, mask=mask, other=0.0)
+    return dy, x
+
+
+@triton.jit
+def _rms_norm_lagged_backward_kernel(
+    DY, dy_row_stride, dy_col_stride,
+    DH, dh_row_stride, dh_col_stride,
+    X, x_row_stride, x_col_stride,
+    W, w_stride,
+    RSTD,
+    dx_row_stride, dx_col_stride,
+    dr_row_stride, dr_col_stride,
+    n_rows, n_cols, offset,
+    DX, DR, DW_PARTIAL, SYNC, PARTS,
+    R: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr, LAG: tl.constexpr,
+    BLOCK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """The RMSNorm (and fused add+RMSNorm) backward of wide rows reading dy and x once from DRAM: the
+    column-split backward reads them twice (its row sums, then dx), and a held row's weight-gradient
+    accumulator spills. The rows are blocks of R; each block's SEG-column segments are two jobs of one grid,
+    in a fixed order (cross_entropy._cross_entropy_lagged_kernel's): a dot job (sum(dy * (offset + w) * x) of
+    the segment, a row at a time, into PARTS[row, segment], then a release count on SYNC[1 + block]) and, LAG
+    blocks later in the order, a gradient job (its first loads issued, it waits with acquire for the block's
+    N_SEG counts, sums each row's segments in order, writes dx for the segment, column block by column block
+    over its R rows, and the block's weight-gradient partial DW_PARTIAL[block, segment's columns]). The second
+    read of a segment comes from L2: only ~LAG blocks stream in between. Jobs take their place from a ticket
+    (SYNC[0]) and wait only on lower tickets, so no wait can deadlock, and the interpreter runs the grid as it
+    is. dx may be written over dy: a block's gradient jobs start writing after all its dot jobs have read."""
+    dy_row_stride = aligned(dy_row_stride, ALIGN)
+    dh_row_stride = aligned(dh_row_stride, ALIGN)
+    x_row_stride = aligned(x_row_stride, ALIGN)
+    dx_row_stride = aligned(dx_row_stride, ALIGN)
+    dr_row_stride = aligned(dr_row_stride, ALIGN)
+    n_cols = aligned(n_cols, ALIGN)
+    job = tl.atomic_add(SYNC, 1, sem="relaxed").to(tl.int64)
+    slot = job // (2 * N_SEG)
+    kind = (job % (2 * N_SEG)).to(tl.int32)
+    seg = kind % N_SEG
+    block = tl.where(kind < N_SEG, slot, slot - LAG)
+    first_row = block * R
+    if (block < 0) | (first_row >= n_rows):  # the first LAG slots have no gradient jobs, the last LAG no dots
+        return
+    seg_start = seg * SEG
+    seg_cols = tl.minimum(n_cols - seg_start, SEG)
+    n_steps = R * tl.cdiv(seg_cols, BLOCK)
+    if kind < N_SEG:  # dot job
+        dy_next, x_next = lagged_step_loads(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
+                                            first_row, seg_start, 0, n_rows, seg_cols, R, BLOCK, False)
+        dots = tl.zeros((BLOCK,), dtype=tl.float32)
+        n_blocks = tl.cdiv(seg_cols, BLOCK)
+        for i in range(n_steps):
+            dy, x = dy_next, x_next
+            dy_next, x_next = lagged_step_loads(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
+                                                first_row, seg_start, tl.minimum(i + 1, n_steps - 1),
+                                                tl.where(i + 1 < n_steps, n_rows, 0), seg_cols, R, BLOCK, False)
+            row_now, cols_now, _ = lagged_step_position(first_row, seg_start, i, n_rows, seg_cols, R, BLOCK, False)
+            dnormed = dy.to(tl.float32)
+            if HAS_WEIGHT:
+                w = tl.load(W + cols_now * w_stride, mask=cols_now < n_cols, other=0.0).to(tl.float32)
+                dnormed = dnormed * plus_offset(w, offset, HAS_OFFSET)
+            dots += dnormed * x.to(tl.float32)
+            if i % n_blocks == n_blocks - 1:  # the row's last block: its sum, then the next row from zero
+                tl.store(PARTS + row_now * N_SEG + seg, tl.sum(dots, axis=0), mask=row_now < n_rows)
+                dots = tl.zeros((BLOCK,), dtype=tl.float32)
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_add(SYNC + 1 + block, 1, sem="release")
+    else:  # gradient job
+        dy_next, x_next = lagged_step_loads(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
+                                            first_row, seg_start, 0, n_rows, seg_cols, R, BLOCK,
+                                            True)  # in flight through the wait
+        count = tl.atomic_add(SYNC + 1 + block, 0, sem="acquire")
+        while count < N_SEG:
+            count = tl.atomic_add(SYNC + 1 + block, 0, sem="acquire")
+        # each of the block's rows: rstd and mean(dy * (offset + w) * x) * rstd, its segments summed in order
+        block_rows = first_row + tl.arange(0, R)
+        segs = tl.arange(0, N_SEG_P2)
+        parts = tl.load(PARTS + block_rows[:, None] * N_SEG + segs[None, :],
+                        mask=(block_rows < n_rows)[:, None] & (segs < N_SEG)[None, :], other=0.0,
+                        cache_modifier=".cg")
+        block_rstd = tl.load(RSTD + block_rows, mask=block_rows < n_rows, other=0.0)
+        block_dot = tl.sum(parts, axis=1) * block_rstd / n_cols
+        dw_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(n_steps):
+            dy, x = dy_next.to(tl.float32), x_next
+            dy_next, x_next = lagged_step_loads(DY, dy_row_stride, dy_col_stride, X, x_row_stride, x_col_stride,
+                                                first_row, seg_start, tl.minimum(i + 1, n_steps - 1),
+                                                tl.where(i + 1 < n_steps, n_rows, 0), seg_cols, R, BLOCK, True)
+            row_now, cols_now, mask_now = lagged_step_position(first_row, seg_start, i, n_rows, seg_cols, R, BLOCK,
+                                                               True)
+            here = tl.arange(0, R) == i % R
+            rstd = tl.sum(tl.where(here, block_rstd, 0.0), axis=0)
+            mean_dot = tl.sum(tl.where(here, block_dot, 0.0), axis=0)
+            normed = x.to(tl.float32) * rstd
+            if HAS_WEIGHT:
+                w = tl.load(W + cols_now * w_stride, mask=cols_now < n_cols, other=0.0).to(tl.float32)
+                dw_acc += weight_gradient_term(dy, normed, x.dtype, CASTING)
+                dnormed = dy * plus_offset(w, offset, HAS_OFFSET)
+            else:
+                dnormed = dy
+            dx = (dnormed - normed * mean_dot) * rstd
+            if HAS_DH:
+                dh_in = tl.load(DH + row_now * dh_row_stride + cols_now * dh_col_stride, mask=mask_now, other=0.0)
+                dx += dh_in.to(tl.float32)
+            tl.store(DX + row_now * dx_row_stride + cols_now * dx_col_stride, cast(dx, DX.dtype.element_ty),
+                     mask=mask_now)
+            if SEPARATE_DR:
+                tl.store(DR + row_now * dr_row_stride + cols_now * dr_col_stride, cast(dx, DR.dtype.element_ty),
+                         mask=mask_now)
+            if HAS_WEIGHT:
+                if i % R == R - 1:  # the column block's last row: its partial, then the next block from zero
+                    tl.store(DW_PARTIAL + block * n_cols + cols_now, dw_acc, mask=cols_now < seg_start + seg_cols)
+                    dw_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launch logic
 
@@ -488,14 +635,17 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
                   casting_mode: str = "llama", num_sms: int, in_place: bool = True, groups: int = 1,
                   programs_per_sm: int | None = None, block_m: int | None = None,
                   num_warps: int | None = None, prefetch: bool | None = None,
-                  reload: bool | None = None, column_block: int | None = None) -> Plan:
+                  reload: bool | None = None, column_block: int | None = None,
+                  lagged: bool | int | None = None) -> Plan:
     """Plan for ``dx, dw = rms_norm_backward(dy, x, weight, rstd)``.
 
     Inputs ``dy``, ``x``, ``rstd`` (and ``weight``); outputs ``dx`` (and ``dw`` with a weight). With
     ``in_place`` and dy of x's dtype, dx is written over dy. With ``groups`` > 1 the rows are ``groups`` equal
     blocks (a folded vmap batch) and dw has shape (groups, n_cols): one weight gradient per block.
     Rows over ``rowwise.MAX_HELD_COLUMNS`` are split into column blocks after a first launch that sums each
-    row (:func:`liger_core.rowwise.backward_tiles`). ``programs_per_sm``, ``block_m``, ``num_warps``,
+    row (:func:`liger_core.rowwise.backward_tiles`), or, from LAGGED_BACKWARD["from_cols"] columns in one group,
+    take the lagged kernel, which reads dy and x once from DRAM (:func:`uses_lagged_backward`; ``lagged`` forces
+    it, True or a segment width, or the column split, False). ``programs_per_sm``, ``block_m``, ``num_warps``,
     ``prefetch``, ``reload`` and ``column_block`` override the tuned launch configuration (for tuning and tests).
     """
     _check_inputs(x, weight, casting_mode)
@@ -513,6 +663,19 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
     dx, dx_row_stride, dx_col_stride = gradient_output("dx", x.shape, x.dtype, "dy" if in_place else None, dy,
                                                        n_rows, n_cols)
     has_weight = weight is not None
+    inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")
+    if uses_lagged_backward(n_cols, groups, lagged, column_block):
+        launch, n_blocks = lagged_backward_launch(
+            (Buf("dy"), dy_row_stride, dy_col_stride, Buf("rstd"), 0, 0, Buf("x"), x_row_stride, x_col_stride,
+             Buf("weight" if has_weight else "x"), weight.strides[0] if has_weight else 0, Buf("rstd"),
+             dx_row_stride, dx_col_stride, 0, 0),
+            n_rows, n_cols, offset, ITEMSIZE[dy.dtype] + ITEMSIZE[x.dtype], (dx, NewBuffer("dr_unused", (1,), x.dtype)),
+            {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0,
+             "HAS_DH": False, "SEPARATE_DR": False}, lagged or True)
+        if not has_weight:
+            return Plan(inputs=inputs, launches=(launch,), outputs=("dx",))
+        return Plan(inputs=inputs, launches=(launch, sum_partials_launch("dw_partial", "dw", 1, n_blocks, n_cols,
+                                                                         weight.dtype)), outputs=("dx", "dw"))
     partial_shape = (groups, n_programs, n_cols) if has_weight else (1,)
     main = Launch(
         kernel=rms_norm_backward_kernel,
@@ -530,7 +693,6 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
                     "RELOAD": reload, "ROW_DOTS": tiles.split},
         num_warps=num_warps or warps_for(tiles.block_m * tiles.block_n),
     )
-    inputs = ("dy", "x", "weight", "rstd") if has_weight else ("dy", "x", "rstd")
     launches = [main]
     if tiles.split:
         launches.insert(0, row_dots_launch(("dy", dy_row_stride, dy_col_stride), ("x", x_row_stride, x_col_stride),
@@ -539,6 +701,48 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
         return Plan(inputs=inputs, launches=tuple(launches), outputs=("dx",))
     launches.append(sum_partials_launch("dw_partial", "dw", groups, n_programs, n_cols, weight.dtype))
     return Plan(inputs=inputs, launches=tuple(launches), outputs=("dx", "dw"))
+
+
+def uses_lagged_backward(n_cols: int, groups: int, lagged: bool | int | None, column_block: int | None) -> bool:
+    """Whether a norm backward takes the lagged kernel: ``lagged`` (True or a segment width: yes; False: no),
+    else by width (LAGGED_BACKWARD["from_cols"]+) for one group of rows when no ``column_block`` is forced."""
+    if lagged is not None and lagged is not False:
+        if groups != 1:
+            raise ValueError(f"the lagged backward takes one group of rows, got groups={groups}")
+        return True
+    if lagged is False or column_block is not None or groups != 1:
+        return False
+    return LAGGED_BACKWARD["from_cols"] is not None and n_cols >= LAGGED_BACKWARD["from_cols"]
+
+
+def lagged_backward_launch(lead_args: tuple, n_rows: int, n_cols: int, offset: float, bytes_per_column: int,
+                           outputs: tuple, flags: dict, lagged: bool | int) -> tuple[Launch, int]:
+    """``(launch, row blocks)`` of the lagged backward: ``lead_args`` are the kernel's arguments up to the dr
+    strides, ``outputs`` its dx and dr buffers, ``bytes_per_column`` what a row's column of dy and x takes;
+    ``lagged`` True or a segment width (a power of two >= 16, for tests and tuning). The scratch: the tickets
+    and per-block counts (zero-filled), the segments' row dots and the blocks' weight-gradient partials (summed
+    by the caller's sum_partials_launch over the row blocks)."""
+    segment = LAGGED_BACKWARD["segment"] if lagged is True else lagged
+    if not isinstance(segment, int) or isinstance(segment, bool) or segment < 16 or segment & (segment - 1):
+        raise ValueError(f"lagged must be None, a bool or a power of two >= 16 (a segment width), got {lagged!r}")
+    segment = min(segment, next_power_of_2(n_cols))
+    n_seg = cdiv(n_cols, segment)
+    rows = LAGGED_BACKWARD["rows"]
+    n_blocks = cdiv(n_rows, rows)
+    lag = max(1, min(64, n_blocks, int(LAGGED_BACKWARD["lag_bytes"]) // (rows * n_cols * bytes_per_column)))
+    has_weight = flags["HAS_WEIGHT"]
+    launch = Launch(
+        kernel=_rms_norm_lagged_backward_kernel,
+        grid=((n_blocks + lag) * 2 * n_seg,),
+        args=lead_args + (n_rows, n_cols, float(offset)),
+        outputs=outputs + (NewBuffer("dw_partial", (1, n_blocks, n_cols) if has_weight else (1,), "float32"),
+                           NewBuffer("norm_sync", (1 + n_blocks,), "int32", zeroed=True),
+                           NewBuffer("norm_parts", (n_rows * n_seg,), "float32")),
+        constexprs={"R": rows, "SEG": segment, "N_SEG": n_seg, "N_SEG_P2": next_power_of_2(n_seg), "LAG": lag,
+                    "BLOCK": min(LAGGED_BACKWARD["block"], segment), **flags},
+        num_warps=LAGGED_BACKWARD["num_warps"],
+    )
+    return launch, n_blocks
 
 
 def row_dots_launch(dy: tuple, x: tuple, weight: ArrayInfo | None, offset: float, n_rows: int, n_cols: int,

@@ -128,14 +128,22 @@ def cases():
         **norm_forward_cases(held, held_w, label=" (held)"),
         **default_forward_cases(),
         # rows over 16384 columns: the backward's row sums, then 4096-column blocks (a whole-row tile spilled)
-        "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132),
+        "rms_norm backward, 65536 columns": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132,
+                                                                    lagged=False),
                                              {"dy": widest, "x": widest, "weight": widest_w, "rstd": rows}),
         "layer_norm backward, 65536 columns": (
             layer_norm.backward_plan(widest, widest, widest_w, widest_w, num_sms=132),
             {"dy": widest, "x": widest, "weight": widest_w, "bias": widest_w, "mean": rows, "rstd": rows}),
         "fused_add_rms_norm backward, 65536 columns": (
             fused_add_rms_norm.backward_plan(widest, widest, widest, widest_w, x_dtype="bfloat16",
-                                             residual_dtype="bfloat16", num_sms=132),
+                                             residual_dtype="bfloat16", num_sms=132, lagged=False),
+            {"dy": widest, "dh": widest, "h": widest, "weight": widest_w, "rstd": rows}),
+        # the same rows through the lagged backward (dy and x read once)
+        "rms_norm backward, lagged": (rms_norm.backward_plan(widest, widest, widest_w, num_sms=132, lagged=True),
+                                      {"dy": widest, "x": widest, "weight": widest_w, "rstd": rows}),
+        "fused_add_rms_norm backward, lagged": (
+            fused_add_rms_norm.backward_plan(widest, widest, widest, widest_w, x_dtype="bfloat16",
+                                             residual_dtype="bfloat16", num_sms=132, lagged=True),
             {"dy": widest, "dh": widest, "h": widest, "weight": widest_w, "rstd": rows}),
         "sum_partials, weight gradient": (
             Plan(inputs=("partials",), launches=(sum_partials_launch("partials", "dw", 1, 132, 4096, "bfloat16"),),
