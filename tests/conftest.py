@@ -87,3 +87,25 @@ def lagged_from_65536(monkeypatch):
 def lagged_off(monkeypatch):
     """Cross-entropy's two-pass kernel at every width."""
     yield from _lagged_from(monkeypatch, None)
+
+
+@pytest.fixture
+def norm_lagged(monkeypatch):
+    """Set the lagged norm backward's knobs (``liger_core.rms_norm.LAGGED_BACKWARD``) for one test:
+    ``norm_lagged(rows=4, lag_bytes=1, ...)``; the plan caches cleared on the way in and out."""
+    from liger_core import fused_add_rms_norm, rms_norm
+
+    def clear():
+        rms_norm.backward_plan.cache_clear()
+        fused_add_rms_norm.backward_plan.cache_clear()
+
+    def set_knobs(**knobs):
+        for name, value in knobs.items():
+            assert name in rms_norm.LAGGED_BACKWARD, name
+            monkeypatch.setitem(rms_norm.LAGGED_BACKWARD, name, value)
+        clear()
+
+    clear()
+    yield set_knobs
+    monkeypatch.undo()
+    clear()

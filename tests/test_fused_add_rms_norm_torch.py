@@ -373,6 +373,44 @@ def test_column_split_backward_half_precision_matches_whole_rows(shape, column_b
         assert_close(got, want.double(), torch.bfloat16, name)
 
 
+
+# The lagged backward (rows from rms_norm.LAGGED_BACKWARD["from_cols"] columns; RMSNorm's kernel with the incoming
+# gradient of h and the residual's gradient): (shape, segment width, rows a block, lag bytes).
+LAGGED = [((37, 123), 32, 4, 1), ((5, 77), 16, 2, 10**9), ((2, 3, 40), 16, 4, 1)]
+
+
+@pytest.mark.parametrize("shape,segment,rows,lag_bytes", LAGGED)
+@pytest.mark.parametrize("with_dh,has_weight,separate", [(True, True, True), (False, True, True),
+                                                          (True, False, True), (True, True, False)])
+def test_lagged_backward_against_reference(shape, segment, rows, lag_bytes, with_dh, has_weight, separate,
+                                           norm_lagged, device, seed):
+    """fp32 gradients of the lagged backward against the float64 reference, dx and dresidual written over dy and
+    dh, or one gradient for both (``separate_residual_grad=False``)."""
+    from liger_core import fused_add_rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16)
+    x, r, w, gy, gh = draw(seed, shape, torch.float32, device=device)
+    w = w if has_weight else None
+    dh = gh.clone() if with_dh else None
+    params = {} if w is None else {"weight": w}
+    _, h, rstd = run_plan(core.forward_plan(info(x), info(r), None if w is None else info(w), eps=1e-6,
+                                            offset=0.5, casting_mode="llama"), x=x, residual=r, **params)
+    plan = core.backward_plan(info(gy), None if dh is None else info(dh), info(h), None if w is None else info(w),
+                              x_dtype="float32", residual_dtype="float32", offset=0.5, num_sms=3, in_place=True,
+                              separate_residual_grad=separate, lagged=segment)
+    assert plan.launches[0].kernel.fn.__name__ == "_rms_norm_lagged_backward_kernel"
+    grads = run_plan(plan, dy=gy.clone(), h=h, rstd=rstd, **params, **({} if dh is None else {"dh": dh}))
+    want = run(lambda a, b, c: reference(a, b, c, 1e-6, 0.5, "llama"), x.double(), r.double(),
+               None if w is None else w.double(), gy.double(), gh.double() if with_dh else None)
+    assert_close(grads[0], want[2], torch.float32, "dx")
+    if separate:
+        assert_close(grads[1], want[3], torch.float32, "dresidual")
+    if has_weight:
+        assert_close(grads[-1], want[4], torch.float32, "dw", scale=3.0)
+    assert len(grads) == 1 + separate + has_weight
+
+
 # Rows swept in chunks: the forward of rows over rowwise.MAX_HELD_COLUMNS; ``chunk`` forces it on small rows:
 # several chunks with the last partial, whole chunks only, one column, one chunk wider than the row.
 CHUNKED = [((7, 123), 16), ((3, 64), 16), ((2, 1), 16), ((5, 1000), 256), ((2, 3, 40), 64)]

@@ -305,6 +305,107 @@ def test_column_split_backward_half_precision_matches_whole_rows(shape, column_b
         assert_close(got, want.double(), torch.bfloat16, name)
 
 
+
+# The lagged backward (rows from rms_norm.LAGGED_BACKWARD["from_cols"] columns): (shape, segment width, rows a
+# block, lag bytes): several segments with the last partial and lag 1 (a block's gradient jobs between later
+# blocks' dot jobs), a lag past the last block, one segment wider than the row, a single row, a last block of
+# fewer rows, a folded leading axis.
+LAGGED = [((37, 123), 32, 4, 1), ((5, 77), 16, 2, 10**9), ((9, 300), 512, 8, 1), ((1, 17), 16, 16, 1),
+          ((40, 96), 32, 16, 3000), ((2, 3, 40), 16, 4, 1)]
+
+
+def lagged_grads(core, x, w, dy, mode, offset, segment, in_place=False):
+    from liger_torch._launch import info, run_plan
+
+    params = {} if w is None else {"weight": w}
+    _, rstd = run_plan(core.forward_plan(info(x), None if w is None else info(w), eps=1e-6, offset=offset,
+                                         casting_mode=mode), x=x, **params)
+    plan = core.backward_plan(info(dy), info(x), None if w is None else info(w), offset=offset, casting_mode=mode,
+                              num_sms=3, in_place=in_place, lagged=segment)
+    assert plan.launches[0].kernel.fn.__name__ == "_rms_norm_lagged_backward_kernel"
+    return run_plan(plan, dy=dy, x=x, rstd=rstd, **params)
+
+
+@pytest.mark.parametrize("shape,segment,rows,lag_bytes", LAGGED)
+@pytest.mark.parametrize("mode,offset,has_weight", [("llama", 0.0, True), ("gemma", 1.0, True),
+                                                     ("none", 0.0, True), ("llama", 0.5, False)])
+def test_lagged_backward_against_reference(shape, segment, rows, lag_bytes, mode, offset, has_weight, norm_lagged,
+                                           device, seed):
+    """fp32 gradients of the lagged backward against the float64 reference, dx written over dy (a block's
+    gradient jobs write only after all its dot jobs have read)."""
+    from liger_core import rms_norm as core
+
+    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16)
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
+    w = (torch.randn(shape[-1], generator=gen) + 1).to(device) if has_weight else None
+    grads = lagged_grads(core, x, w, dy.clone(), mode, offset, segment, in_place=True)
+    _, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, offset, mode), x, w, dy.double())
+    assert_close(grads[0], dx_ref, torch.float32, "dx")
+    if has_weight:
+        assert_close(grads[1], dw_ref, torch.float32, "dw", scale=3.0)
+    else:
+        assert len(grads) == 1
+
+
+@pytest.mark.parametrize("shape,segment,rows,lag_bytes", LAGGED[:2])
+def test_lagged_backward_half_precision_matches_column_split(shape, segment, rows, lag_bytes, norm_lagged, device,
+                                                             seed):
+    """bf16 gradients of the lagged backward within a rounding of the column split's (the same arithmetic but
+    the row sums' order)."""
+    from liger_core import rms_norm as core
+    from liger_torch._launch import info, run_plan
+
+    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16)
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(device, torch.bfloat16)
+    lagged = lagged_grads(core, x, w, dy, "llama", 0.0, segment)
+    split = column_split_grads(core, x, w, dy, "llama", 0.0, 16, None)
+    for got, want, name in zip(lagged, split, ("dx", "dw")):
+        assert_close(got, want.double(), torch.bfloat16, name)
+
+
+def test_lagged_backward_is_chosen_by_width_for_one_group(norm_lagged):
+    """From LAGGED_BACKWARD["from_cols"] columns in one group of rows the plan takes the lagged kernel; a folded
+    vmap batch (groups), a forced column block or ``lagged=False`` keep the column split; ``lagged=True`` with
+    groups and a segment that is no power of two are refused."""
+    from liger_core import rms_norm as core
+    from liger_core.launch import ArrayInfo
+
+    def kernels(n_cols, **kw):
+        x, w = ArrayInfo.contiguous((8, n_cols), "bfloat16"), ArrayInfo.contiguous((n_cols,), "bfloat16")
+        return [launch.kernel.fn.__name__ for launch in core.backward_plan(x, x, w, num_sms=132, **kw).launches]
+
+    from_cols = core.LAGGED_BACKWARD["from_cols"]
+    assert kernels(from_cols)[0] == "_rms_norm_lagged_backward_kernel"
+    assert kernels(from_cols - 16)[0] == "_rms_norm_row_dots_kernel"
+    assert kernels(from_cols, groups=2)[0] == "_rms_norm_row_dots_kernel"
+    assert kernels(from_cols, column_block=4096)[0] == "_rms_norm_row_dots_kernel"
+    assert kernels(from_cols, lagged=False)[0] == "_rms_norm_row_dots_kernel"
+    assert kernels(64, lagged=32)[0] == "_rms_norm_lagged_backward_kernel"
+    with pytest.raises(ValueError, match="one group"):
+        kernels(from_cols, groups=2, lagged=True)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels(from_cols, lagged=48)
+    norm_lagged(from_cols=None)
+    assert kernels(from_cols)[0] == "_rms_norm_row_dots_kernel"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frontend_takes_the_lagged_backward_by_width(dtype, norm_lagged, device, seed):
+    """liger_torch.rms_norm's backward through the lagged kernel (its threshold lowered to the test's width),
+    against the float64 reference."""
+    norm_lagged(from_cols=96, segment=32, rows=4, lag_bytes=1, block=16)
+    gen = torch.Generator().manual_seed(seed)
+    x, g = (torch.randn(7, 123, generator=gen).to(device, dtype) for _ in range(2))
+    w = (torch.rand(123, generator=gen) + 0.5).to(device, dtype)
+    _, dx, dw = grads_of(lambda a, b: liger_torch.rms_norm(a, b, eps=1e-6), x, w, g)
+    _, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, 0.0, "llama"), x, w, g.double())
+    assert_close(dx, dx_ref, dtype, "dx")
+    assert_close(dw, dw_ref, dtype, "dw", scale=3.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recompute_norm_outputs_frees_the_output_and_gives_the_same_grads(dtype, device, seed):
     """Inside recompute_norm_outputs(), the linear layers after a norm save a recipe instead of the norm's output

@@ -67,6 +67,33 @@ def test_column_split_backward_parity(family, column_block, device, seed):
         assert_parity(as_numpy(t), np.asarray(j), name)
 
 
+
+@pytest.mark.parametrize("family", ["rms_norm", "fused_add_rms_norm"])
+def test_lagged_backward_parity(family, norm_lagged, device, seed):
+    """The lagged backward (rows in blocks of 4, 32-column segments, lag 1) through both launchers, 9 rows of 100
+    columns, bit for bit; the forward's statistics come from the torch launcher."""
+    from liger_core.launch import ArrayInfo
+    from liger_jax._launch import run_plan as run_jax
+    from liger_torch._launch import run_plan as run_torch
+
+    norm_lagged(rows=4, lag_bytes=1, block=16)
+    rng = np.random.default_rng(seed)
+    shape = (9, 100)
+    x_info, w_info = ArrayInfo.contiguous(shape, "bfloat16"), ArrayInfo.contiguous((shape[-1],), "bfloat16")
+    forward, inputs = _plan_and_inputs(family, rng, shape)
+    stats = dict(zip(forward.outputs, run_torch(forward, **{k: to_torch(v, device) for k, v in inputs.items()})))
+    arrays = {**inputs, **{k: as_numpy(v) for k, v in stats.items()}}
+    arrays.update(dy=np.asarray(rng.standard_normal(shape), jnp.bfloat16),
+                  dh=np.asarray(rng.standard_normal(shape), jnp.bfloat16))
+    plan = norm_backward_plan(family, x_info, w_info, lagged=32)
+    assert plan.launches[0].kernel.fn.__name__ == "_rms_norm_lagged_backward_kernel"
+    needed = {name: arrays[name] for name in plan.inputs}
+    got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in needed.items()})
+    got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in needed.items()})
+    for name, t, j in zip(plan.outputs, got_torch, got_jax):
+        assert_parity(as_numpy(t), np.asarray(j), name)
+
+
 @pytest.mark.parametrize("n_cols,chunk", [(32800, 8192), (65541, 16384)])
 def test_layer_norm_wide_default_forward_parity(n_cols, chunk, device, seed):
     """LayerNorm's chunked forward at its default launch by width past its held rows (layer_norm._CHUNKED_BY_WIDTH:
