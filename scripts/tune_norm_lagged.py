@@ -20,11 +20,13 @@ from liger_torch._launch import info, run_plan
 
 import _gpu_tables as gpu_tables  # scripts/, the directory Python puts first on the path
 
-# (segment, rows, lag in MiB of dy and x, block, num_warps), the default first
-CONFIGS = [(8192, 16, 12, 1024, 4), (8192, 16, 8, 1024, 4), (8192, 16, 20, 1024, 4), (4096, 16, 12, 1024, 4),
-           (16384, 16, 12, 1024, 4), (8192, 8, 12, 1024, 4), (8192, 32, 12, 1024, 4), (8192, 16, 12, 2048, 4),
-           (8192, 16, 12, 2048, 8), (8192, 16, 12, 512, 2)]
-FUSED_CONFIGS = CONFIGS[:3] + [(8192, 8, 12, 1024, 4)]
+# (segment, rows, lag in MiB of dy and x, block, num_warps), the default first. A job reads rows x segment x 4
+# bytes; with ~7 jobs an SM in flight, 512 KB jobs (the first table, -tune_norm_lagged2.txt) keep ~470 MB in
+# flight, far past the L2: small jobs below.
+CONFIGS = [(8192, 16, 12, 1024, 4), (512, 16, 12, 512, 4), (512, 16, 12, 512, 2), (1024, 8, 12, 1024, 4),
+           (1024, 16, 12, 1024, 4), (2048, 4, 12, 2048, 4), (1024, 4, 12, 1024, 4), (2048, 8, 12, 2048, 4),
+           (512, 32, 12, 512, 4), (1024, 16, 6, 1024, 4)]
+FUSED_CONFIGS = CONFIGS[:2] + [(1024, 8, 12, 1024, 4), (2048, 4, 12, 2048, 4)]
 COPY_GBPS = float(os.environ.get("COPY_GBPS", "3054"))  # the H100's copy rate of s25 (4277 on the H200)
 
 
