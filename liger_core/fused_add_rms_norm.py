@@ -231,9 +231,10 @@ def backward_plan(dy: ArrayInfo, dh: ArrayInfo | None, h: ArrayInfo, weight: Arr
              weight.strides[0] if has_weight else 0, Buf("rstd"), *dx_strides, *dr_strides),
             n_rows, n_cols, offset, ITEMSIZE[dy.dtype] + ITEMSIZE[h.dtype], (dx, dr),
             {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0,
-             "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad}, lagged or True)
+             "HAS_DH": dh is not None, "SEPARATE_DR": separate_residual_grad}, lagged or True,
+            weight.dtype if has_weight else None)
         launches = [launch]
-        if has_weight:
+        if has_weight and n_blocks is not None:
             launches.append(sum_partials_launch("dw_partial", "dw", 1, n_blocks, n_cols, weight.dtype))
         return Plan(inputs=inputs, launches=tuple(launches), outputs=tuple(outputs + ["dw"] * has_weight))
     main = Launch(

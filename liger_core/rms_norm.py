@@ -57,7 +57,7 @@ ROW_DOTS_SWEEP = ChunkedSweep(chunk=8192, num_warps=16, prefetch=True)
 # gradient jobs "lag_bytes" of dy and x (1 to 64 blocks, at most all) after the dot jobs, "block" columns a step at
 # "num_warps". Not yet measured: the first values mirror cross-entropy's lagged kernel (cross_entropy.LAGGED).
 LAGGED_BACKWARD = {"from_cols": 32768, "segment": 8192, "rows": 16, "lag_bytes": 12 * 2**20, "block": 1024,
-                   "num_warps": 4}
+                   "num_warps": 4, "chain_dw": False}
 
 
 @triton.jit
@@ -460,10 +460,10 @@ def _rms_norm_lagged_backward_kernel(
     dx_row_stride, dx_col_stride,
     dr_row_stride, dr_col_stride,
     n_rows, n_cols, offset,
-    DX, DR, DW_PARTIAL, SYNC, PARTS,
+    DX, DR, DW_PARTIAL, DW, SYNC, PARTS,
     R: tl.constexpr, SEG: tl.constexpr, N_SEG: tl.constexpr, N_SEG_P2: tl.constexpr, LAG: tl.constexpr,
     BLOCK: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_DH: tl.constexpr, SEPARATE_DR: tl.constexpr, CHAIN_DW: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """The RMSNorm (and fused add+RMSNorm) backward of wide rows reading dy and x once from DRAM: the
     column-split backward reads them twice (its row sums, then dx), and a held row's weight-gradient
@@ -475,7 +475,13 @@ def _rms_norm_lagged_backward_kernel(
     over its R rows, and the block's weight-gradient partial DW_PARTIAL[block, segment's columns]). The second
     read of a segment comes from L2: only ~LAG blocks stream in between. Jobs take their place from a ticket
     (SYNC[0]) and wait only on lower tickets, so no wait can deadlock, and the interpreter runs the grid as it
-    is. dx may be written over dy: a block's gradient jobs start writing after all its dot jobs have read."""
+    is. dx may be written over dy: a block's gradient jobs start writing after all its dot jobs have read.
+
+    With CHAIN_DW the blocks' weight gradients are added in block order into one fp32 row (DW_PARTIAL, n_cols):
+    a segment's gradient job waits (acquire) for the previous block's to have added its part (SYNC[1 + n_blocks +
+    segment] counts them), adds its own and releases; the last block's job writes DW in the weight's dtype. Small
+    blocks then cost no partial rows (without it, DW_PARTIAL[block] rows: 2 / R of a bf16 pass written and read
+    again by the sum)."""
     dy_row_stride = aligned(dy_row_stride, ALIGN)
     dh_row_stride = aligned(dh_row_stride, ALIGN)
     x_row_stride = aligned(x_row_stride, ALIGN)
@@ -558,8 +564,26 @@ def _rms_norm_lagged_backward_kernel(
                          mask=mask_now)
             if HAS_WEIGHT:
                 if i % R == R - 1:  # the column block's last row: its partial, then the next block from zero
-                    tl.store(DW_PARTIAL + block * n_cols + cols_now, dw_acc, mask=cols_now < seg_start + seg_cols)
+                    in_seg = cols_now < seg_start + seg_cols
+                    if CHAIN_DW:
+                        n_blocks = tl.cdiv(n_rows, R)
+                        flag = SYNC + 1 + n_blocks + seg
+                        if i == R - 1:  # the previous block's part added first (a lower ticket: no deadlock)
+                            added = tl.atomic_add(flag, 0, sem="acquire")
+                            while added < block:
+                                added = tl.atomic_add(flag, 0, sem="acquire")
+                        if block > 0:
+                            dw_acc += tl.load(DW_PARTIAL + cols_now, mask=in_seg, other=0.0, cache_modifier=".cg")
+                        if block == n_blocks - 1:
+                            tl.store(DW + cols_now, cast(dw_acc, DW.dtype.element_ty), mask=in_seg)
+                        else:
+                            tl.store(DW_PARTIAL + cols_now, dw_acc, mask=in_seg)
+                    else:
+                        tl.store(DW_PARTIAL + block * n_cols + cols_now, dw_acc, mask=in_seg)
                     dw_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        if CHAIN_DW and HAS_WEIGHT:
+            tl.debug_barrier()  # every thread's adds before the release
+            tl.atomic_add(SYNC + 1 + tl.cdiv(n_rows, R) + seg, 1, sem="release")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -671,11 +695,12 @@ def backward_plan(dy: ArrayInfo, x: ArrayInfo, weight: ArrayInfo | None, *, offs
              dx_row_stride, dx_col_stride, 0, 0),
             n_rows, n_cols, offset, ITEMSIZE[dy.dtype] + ITEMSIZE[x.dtype], (dx, NewBuffer("dr_unused", (1,), x.dtype)),
             {"CASTING": CASTING_MODES[casting_mode], "HAS_WEIGHT": has_weight, "HAS_OFFSET": offset != 0.0,
-             "HAS_DH": False, "SEPARATE_DR": False}, lagged or True)
+             "HAS_DH": False, "SEPARATE_DR": False}, lagged or True, weight.dtype if has_weight else None)
         if not has_weight:
             return Plan(inputs=inputs, launches=(launch,), outputs=("dx",))
-        return Plan(inputs=inputs, launches=(launch, sum_partials_launch("dw_partial", "dw", 1, n_blocks, n_cols,
-                                                                         weight.dtype)), outputs=("dx", "dw"))
+        launches = (launch,) if n_blocks is None else (
+            launch, sum_partials_launch("dw_partial", "dw", 1, n_blocks, n_cols, weight.dtype))
+        return Plan(inputs=inputs, launches=launches, outputs=("dx", "dw"))
     partial_shape = (groups, n_programs, n_cols) if has_weight else (1,)
     main = Launch(
         kernel=rms_norm_backward_kernel,
@@ -716,12 +741,14 @@ def uses_lagged_backward(n_cols: int, groups: int, lagged: bool | int | None, co
 
 
 def lagged_backward_launch(lead_args: tuple, n_rows: int, n_cols: int, offset: float, bytes_per_column: int,
-                           outputs: tuple, flags: dict, lagged: bool | int) -> tuple[Launch, int]:
-    """``(launch, row blocks)`` of the lagged backward: ``lead_args`` are the kernel's arguments up to the dr
+                           outputs: tuple, flags: dict, lagged: bool | int,
+                           weight_dtype: str | None) -> tuple[Launch, int | None]:
+    """``(launch, partial rows)`` of the lagged backward: ``lead_args`` are the kernel's arguments up to the dr
     strides, ``outputs`` its dx and dr buffers, ``bytes_per_column`` what a row's column of dy and x takes;
-    ``lagged`` True or a segment width (a power of two >= 16, for tests and tuning). The scratch: the tickets
-    and per-block counts (zero-filled), the segments' row dots and the blocks' weight-gradient partials (summed
-    by the caller's sum_partials_launch over the row blocks)."""
+    ``lagged`` True or a segment width (a power of two >= 16, for tests and tuning). The scratch: the tickets,
+    per-block counts and per-segment chain counts (zero-filled), the segments' row dots and the weight gradient's
+    fp32 partials. Partial rows None: the launch writes ``dw`` itself (LAGGED_BACKWARD["chain_dw"]); else the
+    caller sums that many rows of ``dw_partial`` (sum_partials_launch)."""
     segment = LAGGED_BACKWARD["segment"] if lagged is True else lagged
     if not isinstance(segment, int) or isinstance(segment, bool) or segment < 16 or segment & (segment - 1):
         raise ValueError(f"lagged must be None, a bool or a power of two >= 16 (a segment width), got {lagged!r}")
@@ -731,18 +758,26 @@ def lagged_backward_launch(lead_args: tuple, n_rows: int, n_cols: int, offset: f
     n_blocks = cdiv(n_rows, rows)
     lag = max(1, min(64, n_blocks, int(LAGGED_BACKWARD["lag_bytes"]) // (rows * n_cols * bytes_per_column)))
     has_weight = flags["HAS_WEIGHT"]
+    chain = bool(LAGGED_BACKWARD["chain_dw"]) and has_weight
+    if not has_weight:
+        partials = NewBuffer("dw_partial", (1,), "float32")
+    elif chain:
+        partials = NewBuffer("dw_partial", (n_cols,), "float32")
+    else:
+        partials = NewBuffer("dw_partial", (1, n_blocks, n_cols), "float32")
     launch = Launch(
         kernel=_rms_norm_lagged_backward_kernel,
         grid=((n_blocks + lag) * 2 * n_seg,),
         args=lead_args + (n_rows, n_cols, float(offset)),
-        outputs=outputs + (NewBuffer("dw_partial", (1, n_blocks, n_cols) if has_weight else (1,), "float32"),
-                           NewBuffer("norm_sync", (1 + n_blocks,), "int32", zeroed=True),
+        outputs=outputs + (partials, NewBuffer("dw" if chain else "dw_unused", (n_cols,) if chain else (1,),
+                                               weight_dtype if chain else "float32"),
+                           NewBuffer("norm_sync", (1 + n_blocks + n_seg,), "int32", zeroed=True),
                            NewBuffer("norm_parts", (n_rows * n_seg,), "float32")),
         constexprs={"R": rows, "SEG": segment, "N_SEG": n_seg, "N_SEG_P2": next_power_of_2(n_seg), "LAG": lag,
-                    "BLOCK": min(LAGGED_BACKWARD["block"], segment), **flags},
+                    "BLOCK": min(LAGGED_BACKWARD["block"], segment), "CHAIN_DW": chain, **flags},
         num_warps=LAGGED_BACKWARD["num_warps"],
     )
-    return launch, n_blocks
+    return launch, (None if chain else n_blocks)
 
 
 def row_dots_launch(dy: tuple, x: tuple, weight: ArrayInfo | None, offset: float, n_rows: int, n_cols: int,

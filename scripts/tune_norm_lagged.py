@@ -20,13 +20,16 @@ from liger_torch._launch import info, run_plan
 
 import _gpu_tables as gpu_tables  # scripts/, the directory Python puts first on the path
 
-# (segment, rows, lag in MiB of dy and x, block, num_warps), the default first. A job reads rows x segment x 4
-# bytes; with ~7 jobs an SM in flight, 512 KB jobs (the first table, -tune_norm_lagged2.txt) keep ~470 MB in
-# flight, far past the L2: small jobs below.
-CONFIGS = [(8192, 16, 12, 1024, 4), (512, 16, 12, 512, 4), (512, 16, 12, 512, 2), (1024, 8, 12, 1024, 4),
-           (1024, 16, 12, 1024, 4), (2048, 4, 12, 2048, 4), (1024, 4, 12, 1024, 4), (2048, 8, 12, 2048, 4),
-           (512, 32, 12, 512, 4), (1024, 16, 6, 1024, 4)]
-FUSED_CONFIGS = CONFIGS[:2] + [(1024, 8, 12, 1024, 4), (2048, 4, 12, 2048, 4)]
+# (segment, rows, lag in MiB of dy and x, block, num_warps, chain_dw), the default first. A job reads rows x
+# segment x 4 bytes; with ~7 jobs an SM in flight, 512 KB jobs (the first table, -tune_norm_lagged2.txt) keep ~470
+# MB in flight, far past the L2. Small jobs below, their weight-gradient partials a block (2 / rows of a pass) or
+# added in block order into one fp32 row (chain_dw).
+CONFIGS = [(8192, 16, 12, 1024, 4, False), (8192, 16, 12, 2048, 4, False), (1024, 8, 12, 1024, 4, False),
+           (2048, 4, 12, 2048, 4, False), (512, 16, 12, 512, 4, False), (1024, 4, 12, 1024, 4, True),
+           (2048, 4, 12, 2048, 4, True), (1024, 8, 12, 1024, 4, True), (512, 8, 12, 512, 4, True),
+           (1024, 2, 12, 1024, 4, True), (2048, 2, 12, 2048, 4, True), (1024, 4, 6, 1024, 4, True),
+           (1024, 4, 24, 1024, 4, True), (4096, 2, 12, 2048, 4, True)]
+FUSED_CONFIGS = [CONFIGS[0], CONFIGS[2], CONFIGS[5], CONFIGS[6], CONFIGS[7]]
 COPY_GBPS = float(os.environ.get("COPY_GBPS", "3054"))  # the H100's copy rate of s25 (4277 on the H200)
 
 
@@ -83,9 +86,10 @@ def sweep_family(family, case, configs, n, m, out):
     ref = [t.float() for t in run_plan(plan_with({}, lambda: build(False)), dy=dy0.clone(), **inputs)]
     dy = dy0.clone()
     cases = [("column split", {}, False)] + [
-        (f"lagged seg {s} rows {r} lag {mib} MiB {block}/{warps}",
-         {"segment": s, "rows": r, "lag_bytes": mib * 2**20, "block": block, "num_warps": warps}, True)
-        for s, r, mib, block, warps in configs]
+        (f"lagged seg {s} rows {r} lag {mib} MiB {block}/{warps}{' chain' if chain else ''}",
+         {"segment": s, "rows": r, "lag_bytes": mib * 2**20, "block": block, "num_warps": warps, "chain_dw": chain},
+         True)
+        for s, r, mib, block, warps, chain in configs]
     for name, settings, lagged in cases:
         plan = plan_with(settings, lambda: build(lagged))
         got = run_plan(plan, dy=dy0.clone(), **inputs)
