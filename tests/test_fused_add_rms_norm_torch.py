@@ -380,16 +380,19 @@ LAGGED = [((37, 123), 32, 4, 1), ((5, 77), 16, 2, 10**9), ((2, 3, 40), 16, 4, 1)
 
 
 @pytest.mark.parametrize("shape,segment,rows,lag_bytes", LAGGED)
-@pytest.mark.parametrize("with_dh,has_weight,separate", [(True, True, True), (False, True, True),
-                                                          (True, False, True), (True, True, False)])
-def test_lagged_backward_against_reference(shape, segment, rows, lag_bytes, with_dh, has_weight, separate,
+@pytest.mark.parametrize("with_dh,has_weight,separate,chain_dw", [(True, True, True, False),
+                                                                   (False, True, True, True),
+                                                                   (True, False, True, False),
+                                                                   (True, True, False, True)])
+def test_lagged_backward_against_reference(shape, segment, rows, lag_bytes, with_dh, has_weight, separate, chain_dw,
                                            norm_lagged, device, seed):
     """fp32 gradients of the lagged backward against the float64 reference, dx and dresidual written over dy and
-    dh, or one gradient for both (``separate_residual_grad=False``)."""
+    dh, or one gradient for both (``separate_residual_grad=False``); the weight gradient summed from partial rows
+    or chained through the blocks (``chain_dw``)."""
     from liger_core import fused_add_rms_norm as core
     from liger_torch._launch import info, run_plan
 
-    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16)
+    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16, chain_dw=chain_dw)
     x, r, w, gy, gh = draw(seed, shape, torch.float32, device=device)
     w = w if has_weight else None
     dh = gh.clone() if with_dh else None

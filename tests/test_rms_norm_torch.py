@@ -314,7 +314,7 @@ LAGGED = [((37, 123), 32, 4, 1), ((5, 77), 16, 2, 10**9), ((9, 300), 512, 8, 1),
           ((40, 96), 32, 16, 3000), ((2, 3, 40), 16, 4, 1)]
 
 
-def lagged_grads(core, x, w, dy, mode, offset, segment, in_place=False):
+def lagged_grads(core, x, w, dy, mode, offset, segment, in_place=False, launches=None):
     from liger_torch._launch import info, run_plan
 
     params = {} if w is None else {"weight": w}
@@ -323,23 +323,27 @@ def lagged_grads(core, x, w, dy, mode, offset, segment, in_place=False):
     plan = core.backward_plan(info(dy), info(x), None if w is None else info(w), offset=offset, casting_mode=mode,
                               num_sms=3, in_place=in_place, lagged=segment)
     assert plan.launches[0].kernel.fn.__name__ == "_rms_norm_lagged_backward_kernel"
+    assert launches is None or len(plan.launches) == launches
     return run_plan(plan, dy=dy, x=x, rstd=rstd, **params)
 
 
 @pytest.mark.parametrize("shape,segment,rows,lag_bytes", LAGGED)
-@pytest.mark.parametrize("mode,offset,has_weight", [("llama", 0.0, True), ("gemma", 1.0, True),
-                                                     ("none", 0.0, True), ("llama", 0.5, False)])
-def test_lagged_backward_against_reference(shape, segment, rows, lag_bytes, mode, offset, has_weight, norm_lagged,
-                                           device, seed):
+@pytest.mark.parametrize("mode,offset,has_weight,chain_dw", [("llama", 0.0, True, False), ("gemma", 1.0, True, True),
+                                                              ("none", 0.0, True, False), ("llama", 0.5, False, False),
+                                                              ("llama", 0.0, True, True)])
+def test_lagged_backward_against_reference(shape, segment, rows, lag_bytes, mode, offset, has_weight, chain_dw,
+                                           norm_lagged, device, seed):
     """fp32 gradients of the lagged backward against the float64 reference, dx written over dy (a block's
-    gradient jobs write only after all its dot jobs have read)."""
+    gradient jobs write only after all its dot jobs have read); the weight gradient as partial rows summed
+    afterwards or chained through the blocks in order (``chain_dw``: one launch)."""
     from liger_core import rms_norm as core
 
-    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16)
+    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16, chain_dw=chain_dw)
     gen = torch.Generator().manual_seed(seed)
     x, dy = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
     w = (torch.randn(shape[-1], generator=gen) + 1).to(device) if has_weight else None
-    grads = lagged_grads(core, x, w, dy.clone(), mode, offset, segment, in_place=True)
+    grads = lagged_grads(core, x, w, dy.clone(), mode, offset, segment, in_place=True, launches=1 + (
+        has_weight and not chain_dw))
     _, dx_ref, dw_ref = grads_of(lambda a, b: reference(a, b, 1e-6, offset, mode), x, w, dy.double())
     assert_close(grads[0], dx_ref, torch.float32, "dx")
     if has_weight:
@@ -349,14 +353,15 @@ def test_lagged_backward_against_reference(shape, segment, rows, lag_bytes, mode
 
 
 @pytest.mark.parametrize("shape,segment,rows,lag_bytes", LAGGED[:2])
-def test_lagged_backward_half_precision_matches_column_split(shape, segment, rows, lag_bytes, norm_lagged, device,
-                                                             seed):
+@pytest.mark.parametrize("chain_dw", [False, True])
+def test_lagged_backward_half_precision_matches_column_split(shape, segment, rows, lag_bytes, chain_dw, norm_lagged,
+                                                             device, seed):
     """bf16 gradients of the lagged backward within a rounding of the column split's (the same arithmetic but
     the row sums' order)."""
     from liger_core import rms_norm as core
     from liger_torch._launch import info, run_plan
 
-    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16)
+    norm_lagged(rows=rows, lag_bytes=lag_bytes, block=16, chain_dw=chain_dw)
     gen = torch.Generator().manual_seed(seed)
     x, dy = (torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(2))
     w = (torch.rand(shape[-1], generator=gen) + 0.5).to(device, torch.bfloat16)

@@ -68,15 +68,17 @@ def test_column_split_backward_parity(family, column_block, device, seed):
 
 
 
-@pytest.mark.parametrize("family", ["rms_norm", "fused_add_rms_norm"])
-def test_lagged_backward_parity(family, norm_lagged, device, seed):
-    """The lagged backward (rows in blocks of 4, 32-column segments, lag 1) through both launchers, 9 rows of 100
-    columns, bit for bit; the forward's statistics come from the torch launcher."""
+@pytest.mark.parametrize("family,chain_dw", [("rms_norm", False), ("fused_add_rms_norm", False),
+                                             ("rms_norm", True)])
+def test_lagged_backward_parity(family, chain_dw, norm_lagged, device, seed):
+    """The lagged backward (rows in blocks of 4, 32-column segments, lag 1; the weight gradient from partial
+    rows or chained) through both launchers, 9 rows of 100 columns, bit for bit; the forward's statistics come
+    from the torch launcher."""
     from liger_core.launch import ArrayInfo
     from liger_jax._launch import run_plan as run_jax
     from liger_torch._launch import run_plan as run_torch
 
-    norm_lagged(rows=4, lag_bytes=1, block=16)
+    norm_lagged(rows=4, lag_bytes=1, block=16, chain_dw=chain_dw)
     rng = np.random.default_rng(seed)
     shape = (9, 100)
     x_info, w_info = ArrayInfo.contiguous(shape, "bfloat16"), ArrayInfo.contiguous((shape[-1],), "bfloat16")
