@@ -55,8 +55,11 @@ ROW_DOTS_SWEEP = ChunkedSweep(chunk=8192, num_warps=16, prefetch=True)
 # The lagged backward (_rms_norm_lagged_backward_kernel; RMSNorm's and fused add+RMSNorm's) on rows of at least
 # "from_cols" columns (None: never) in one group: blocks of "rows" rows cut into "segment"-column jobs, the
 # gradient jobs "lag_bytes" of dy and x (1 to 64 blocks, at most all) after the dot jobs, "block" columns a step at
-# "num_warps". Not yet measured: the first values mirror cross-entropy's lagged kernel (cross_entropy.LAGGED).
-LAGGED_BACKWARD = {"from_cols": 32768, "segment": 8192, "rows": 16, "lag_bytes": 12 * 2**20, "block": 1024,
+# "num_warps", the blocks' weight gradients chained in block order with "chain_dw" (else partial rows summed
+# afterwards). Off by default: at 16 rows x 8192 columns a job it ran 14-40% slower than the column split (H100,
+# results/h100-80gb-hbm3-2026-12-07-tune_norm_lagged2.txt: 1.013 ms at best against 0.888 at 4096x65536; its jobs
+# kept ~470 MB in flight between a segment's two reads).
+LAGGED_BACKWARD = {"from_cols": None, "segment": 8192, "rows": 16, "lag_bytes": 12 * 2**20, "block": 1024,
                    "num_warps": 4, "chain_dw": False}
 
 

@@ -372,9 +372,9 @@ def test_lagged_backward_half_precision_matches_column_split(shape, segment, row
 
 
 def test_lagged_backward_is_chosen_by_width_for_one_group(norm_lagged):
-    """From LAGGED_BACKWARD["from_cols"] columns in one group of rows the plan takes the lagged kernel; a folded
-    vmap batch (groups), a forced column block or ``lagged=False`` keep the column split; ``lagged=True`` with
-    groups and a segment that is no power of two are refused."""
+    """From LAGGED_BACKWARD["from_cols"] columns (None by default: never) in one group of rows the plan takes the
+    lagged kernel; a folded vmap batch (groups), a forced column block or ``lagged=False`` keep the column split;
+    ``lagged=True`` with groups and a segment that is no power of two are refused."""
     from liger_core import rms_norm as core
     from liger_core.launch import ArrayInfo
 
@@ -382,7 +382,10 @@ def test_lagged_backward_is_chosen_by_width_for_one_group(norm_lagged):
         x, w = ArrayInfo.contiguous((8, n_cols), "bfloat16"), ArrayInfo.contiguous((n_cols,), "bfloat16")
         return [launch.kernel.fn.__name__ for launch in core.backward_plan(x, x, w, num_sms=132, **kw).launches]
 
-    from_cols = core.LAGGED_BACKWARD["from_cols"]
+    assert core.LAGGED_BACKWARD["from_cols"] is None and kernels(65536)[0] == "_rms_norm_row_dots_kernel", (
+        "off by default: it has not beaten the column split on a GPU")
+    from_cols = 32768
+    norm_lagged(from_cols=from_cols)
     assert kernels(from_cols)[0] == "_rms_norm_lagged_backward_kernel"
     assert kernels(from_cols - 16)[0] == "_rms_norm_row_dots_kernel"
     assert kernels(from_cols, groups=2)[0] == "_rms_norm_row_dots_kernel"
