@@ -46,25 +46,31 @@ def test_column_split_backward_parity(family, column_block, device, seed):
     """The column-split backward (its row sums swept in chunks of the block's width; ``column_block`` forces it on
     small rows) through both launchers, 6 rows of 96 columns in 16- and 32-column blocks (whole chunks:
     FULL_CHUNKS, no masks), bit for bit; the forward's statistics come from the torch launcher."""
+    plan = _assert_backward_parity(family, (6, 96), device, seed, column_block=column_block)
+    assert plan.launches[0].constexprs["FULL_CHUNKS"] is True, "the row sums come first, on whole chunks"
+
+
+def _assert_backward_parity(family, shape, device, seed, **overrides):
+    """``family``'s backward plan (``overrides``) on bf16 rows of ``shape`` through both launchers, bit for bit;
+    the forward's statistics come from the torch launcher. Returns the plan."""
     from liger_core.launch import ArrayInfo
     from liger_jax._launch import run_plan as run_jax
     from liger_torch._launch import run_plan as run_torch
 
     rng = np.random.default_rng(seed)
-    shape = (6, 96)
     x_info, w_info = ArrayInfo.contiguous(shape, "bfloat16"), ArrayInfo.contiguous((shape[-1],), "bfloat16")
     forward, inputs = _plan_and_inputs(family, rng, shape)
     stats = dict(zip(forward.outputs, run_torch(forward, **{k: to_torch(v, device) for k, v in inputs.items()})))
     arrays = {**inputs, **{k: as_numpy(v) for k, v in stats.items()}}
     arrays.update(dy=np.asarray(rng.standard_normal(shape), jnp.bfloat16),
                   dh=np.asarray(rng.standard_normal(shape), jnp.bfloat16))
-    plan = norm_backward_plan(family, x_info, w_info, column_block=column_block)
-    assert plan.launches[0].constexprs["FULL_CHUNKS"] is True, "the row sums come first, on whole chunks"
+    plan = norm_backward_plan(family, x_info, w_info, **overrides)
     needed = {name: arrays[name] for name in plan.inputs}
     got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in needed.items()})
     got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in needed.items()})
     for name, t, j in zip(plan.outputs, got_torch, got_jax):
         assert_parity(as_numpy(t), np.asarray(j), name)
+    return plan
 
 
 
@@ -74,26 +80,9 @@ def test_lagged_backward_parity(family, chain_dw, norm_lagged, device, seed):
     """The lagged backward (rows in blocks of 4, 32-column segments, lag 1; the weight gradient from partial
     rows or chained) through both launchers, 9 rows of 100 columns, bit for bit; the forward's statistics come
     from the torch launcher."""
-    from liger_core.launch import ArrayInfo
-    from liger_jax._launch import run_plan as run_jax
-    from liger_torch._launch import run_plan as run_torch
-
     norm_lagged(rows=4, lag_bytes=1, block=16, chain_dw=chain_dw)
-    rng = np.random.default_rng(seed)
-    shape = (9, 100)
-    x_info, w_info = ArrayInfo.contiguous(shape, "bfloat16"), ArrayInfo.contiguous((shape[-1],), "bfloat16")
-    forward, inputs = _plan_and_inputs(family, rng, shape)
-    stats = dict(zip(forward.outputs, run_torch(forward, **{k: to_torch(v, device) for k, v in inputs.items()})))
-    arrays = {**inputs, **{k: as_numpy(v) for k, v in stats.items()}}
-    arrays.update(dy=np.asarray(rng.standard_normal(shape), jnp.bfloat16),
-                  dh=np.asarray(rng.standard_normal(shape), jnp.bfloat16))
-    plan = norm_backward_plan(family, x_info, w_info, lagged=32)
+    plan = _assert_backward_parity(family, (9, 100), device, seed, lagged=32)
     assert plan.launches[0].kernel.fn.__name__ == "_rms_norm_lagged_backward_kernel"
-    needed = {name: arrays[name] for name in plan.inputs}
-    got_torch = run_torch(plan, **{k: to_torch(v, device) for k, v in needed.items()})
-    got_jax = run_jax(plan, **{k: jnp.asarray(v) for k, v in needed.items()})
-    for name, t, j in zip(plan.outputs, got_torch, got_jax):
-        assert_parity(as_numpy(t), np.asarray(j), name)
 
 
 @pytest.mark.parametrize("n_cols,chunk", [(32800, 8192), (65541, 16384)])
