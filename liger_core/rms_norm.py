@@ -11,7 +11,8 @@ Forward saves rstd (fp32, one per row); rows over 32768 columns (``_CHUNKED.held
 weight) are swept in two passes of column chunks instead of held in registers (``rowwise.ChunkedSweep`` rows a
 program). Backward: one pass per row block gives dx (optionally written over dy) and per-program fp32 partial
 sums of dw, reduced in a fixed order by :mod:`liger_core.reduce`; rows over ``MAX_HELD_COLUMNS`` are summed in a
-first sweep, then walked in column blocks (:func:`liger_core.rowwise.backward_tiles`).
+first sweep, then walked in column blocks (:func:`liger_core.rowwise.backward_tiles`), or, by ``lagged`` (off by
+default: not yet faster on a GPU), read once from DRAM by a lagged job order (:func:`_rms_norm_lagged_backward_kernel`).
 Without a weight, y = x * rstd and ``offset`` is unused.
 """
 
