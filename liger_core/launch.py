@@ -91,6 +91,8 @@ class Launch:
         # all of them are multiples of 16 (computed here from the values, so no plan can get it wrong).
         names = list(getattr(self.kernel, "arg_names", ()))
         if "ALIGN" in names and "ALIGN" not in self.constexprs:
+            if not aligned_args(self.kernel):  # alignment() of nothing would say 16 for any stride
+                raise AssertionError(f"{self.kernel} takes ALIGN but has no `name = aligned(name, ALIGN)` line")
             values = []
             for name in aligned_args(self.kernel):
                 index = names.index(name)

@@ -265,3 +265,28 @@ def test_option_checks_name_the_remedy_for_a_traced_value():
         with pytest.raises(TypeError) as info:
             check("1", name)
         assert "static" not in str(info.value)
+
+
+def test_a_kernel_taking_align_must_list_its_aligned_arguments():
+    """ALIGN comes from the kernel's ``name = aligned(name, ALIGN)`` lines (launch.aligned_args); a kernel that
+    hands its strides to a helper instead has none, and alignment() of nothing would claim 16 for any stride
+    (wrong gradients from a 123-column row, seen with such a helper): the Launch refuses it."""
+    import triton
+    import triton.language as tl
+
+    from liger_core.tl_math import aligned
+
+    @triton.jit
+    def hidden_strides(X, row_stride, ALIGN: tl.constexpr):
+        strides = (aligned(row_stride, ALIGN),)
+        tl.store(X + strides[0], 0.0)
+
+    @triton.jit
+    def listed_strides(X, row_stride, ALIGN: tl.constexpr):
+        row_stride = aligned(row_stride, ALIGN)
+        tl.store(X + row_stride, 0.0)
+
+    with pytest.raises(AssertionError, match="no `name = aligned"):
+        Launch(kernel=hidden_strides, grid=(1,), args=(Buf("x"), 123), outputs=())
+    assert Launch(kernel=listed_strides, grid=(1,), args=(Buf("x"), 123), outputs=()).constexprs["ALIGN"] == 1
+    assert Launch(kernel=listed_strides, grid=(1,), args=(Buf("x"), 128), outputs=()).constexprs["ALIGN"] == 16
